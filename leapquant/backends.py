@@ -1,0 +1,198 @@
+"""Backends: what each one needs, the registry, and the ``"auto"`` choice.
+
+A backend is a :class:`Backend` subclass registered under the entry-point group ``leapquant.backends``
+(``name = "package.module:Class"``); the class is instantiated with no arguments. It declares its
+:class:`Requirements` and answers two questions with a reason: :meth:`Backend.available` (can it be imported and
+run on this machine at all) and :meth:`Backend.supports` (can it flush this pool). ``"auto"`` ranks only the
+backends that pass both, by ``priority`` (measured speed: higher is faster).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .pool import Pool
+
+ENTRY_POINT_GROUP = "leapquant.backends"
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a backend can flush. ``None`` means any value."""
+
+    devices: tuple[str, ...] = ("cuda",)  # torch device types
+    capabilities: tuple[int, ...] | None = None  # CUDA compute capability as 10 * major + minor, e.g. 90
+    gates: tuple[str, ...] = ("kda", "gdn")
+    heads: tuple[int, ...] | None = None
+    head_dims: tuple[tuple[int, int], ...] | None = ((128, 128),)  # (head_k, head_v) pairs
+    rings: tuple[int, ...] | None = (16,)
+    ranks: tuple[int, ...] | None = (1, 2, 3, 4)
+    conventions: tuple[str, ...] = ("vllm", "sglang")
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def check(self, pool: "Pool") -> tuple[bool, str]:
+        g = pool.geometry
+        dev = pool.device
+        if dev.type not in self.devices:
+            return False, f"runs on {'/'.join(self.devices)}, pool is on {dev.type}"
+        if dev.type == "cuda" and self.capabilities is not None:
+            cc = capability(dev)
+            if cc not in self.capabilities:
+                have = ", ".join(f"sm_{c}" for c in self.capabilities)
+                return False, f"needs one of {have}; {torch.cuda.get_device_name(dev)} is sm_{cc}"
+        if g.gate not in self.gates:
+            return False, f"gate {g.gate!r} not supported (supports {self.gates})"
+        if self.heads is not None and g.heads not in self.heads:
+            return False, f"heads={g.heads} not supported (supports {self.heads})"
+        if self.head_dims is not None and (g.head_k, g.head_v) not in self.head_dims:
+            return False, f"(head_k, head_v)=({g.head_k}, {g.head_v}) not supported (supports {self.head_dims})"
+        if self.rings is not None and g.ring not in self.rings:
+            return False, f"ring={g.ring} not supported (supports {self.rings})"
+        if self.ranks is not None and g.rank not in self.ranks:
+            return False, f"rank={g.rank} not supported (supports {self.ranks})"
+        if pool.convention not in self.conventions:
+            return False, f"convention {pool.convention!r} not supported"
+        return True, "ok"
+
+
+def capability(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+class Backend:
+    """Base class of a flush backend.
+
+    Subclasses set ``name``, ``priority`` and ``requirements`` and implement :meth:`flush`; they override
+    :meth:`available` when they need a package or a device, and :meth:`supports` when the requirements table cannot
+    say everything.
+    """
+
+    name: str = ""
+    priority: int = 0
+    description: str = ""
+    requirements: Requirements = Requirements()
+
+    def available(self) -> tuple[bool, str]:
+        """Whether this backend can run on this machine at all, and why not."""
+        return True, "ok"
+
+    def supports(self, pool: "Pool") -> tuple[bool, str]:
+        """Whether this backend can flush ``pool`` (geometry, device), and why not."""
+        ok, why = self.available()
+        if not ok:
+            return ok, why
+        return self.requirements.check(pool)
+
+    def flush(self, pool: "Pool", idx: torch.Tensor) -> None:
+        """Flush the due programs of ``idx`` (int32 ``[N]`` on the pool's device) in place.
+
+        Called with validated arguments. Must not synchronise with the host and must launch the same work for the
+        same pool and ``N``, so that it can be captured in a CUDA graph. Writes nothing outside the due programs.
+        """
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<leapquant backend {self.name!r}>"
+
+
+class BackendError(RuntimeError):
+    """A backend was asked for that cannot run here."""
+
+
+@functools.lru_cache(maxsize=None)
+def _registry() -> dict[str, Backend | Exception]:
+    found: dict[str, Backend | Exception] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            obj = ep.load()()
+            if not isinstance(obj, Backend):
+                raise TypeError(f"entry point {ep.value} did not produce a leapquant.Backend")
+            found[ep.name] = obj
+        except Exception as e:  # an optional backend whose import fails is listed as unavailable, with the reason
+            found[ep.name] = e
+    if "reference" not in found:
+        # running from a source tree without installed metadata: the built-ins are still known
+        from .reference import ReferenceBackend
+
+        found["reference"] = ReferenceBackend()
+        for name, path in (("triton", "leapquant_triton.backend:TritonBackend"),
+                           ("tilelang", "leapquant_tilelang.backend:TileLangBackend")):
+            if name not in found:
+                try:
+                    mod, cls = path.split(":")
+                    found[name] = getattr(__import__(mod, fromlist=[cls]), cls)()
+                except Exception as e:
+                    found[name] = e
+    return found
+
+
+def register(backend: Backend) -> None:
+    """Add a backend at run time (tests, experiments); the entry-point group is the way for packages."""
+    if not isinstance(backend, Backend) or not backend.name:
+        raise TypeError("register() takes a named leapquant.Backend instance")
+    _registry()[backend.name] = backend
+
+
+def get(name: str) -> Backend:
+    """The backend called ``name``; :class:`BackendError` naming the known ones if there is none or it is broken."""
+    reg = _registry()
+    if name not in reg:
+        raise BackendError(f"unknown backend {name!r}; known: {sorted(reg)}")
+    b = reg[name]
+    if isinstance(b, Exception):
+        raise BackendError(f"backend {name!r} failed to load: {type(b).__name__}: {b}")
+    return b
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    name: str
+    available: bool
+    reason: str
+    priority: int
+    description: str
+
+
+def backends() -> list[BackendInfo]:
+    """Every registered backend with whether it can run on this machine and why not, fastest first."""
+    rows = []
+    for name, b in _registry().items():
+        if isinstance(b, Exception):
+            rows.append(BackendInfo(name, False, f"failed to load: {type(b).__name__}: {b}", -1, ""))
+        else:
+            ok, why = b.available()
+            rows.append(BackendInfo(name, ok, why, b.priority, b.description))
+    return sorted(rows, key=lambda r: -r.priority)
+
+
+def choose(pool: "Pool") -> Backend:
+    """``"auto"``: the highest-priority backend that supports ``pool``."""
+    reasons = []
+    for info in backends():
+        if not info.available:
+            reasons.append(f"{info.name}: {info.reason}")
+            continue
+        b = get(info.name)
+        ok, why = b.supports(pool)
+        if ok:
+            return b
+        reasons.append(f"{info.name}: {why}")
+    raise BackendError("no backend supports this pool: " + "; ".join(reasons))
+
+
+def resolve(name: str, pool: "Pool") -> Backend:
+    """The backend to flush ``pool`` with: ``"auto"`` or a name; :class:`BackendError` saying why it cannot."""
+    if name == "auto":
+        return choose(pool)
+    b = get(name)
+    ok, why = b.supports(pool)
+    if not ok:
+        raise BackendError(f"backend {name!r} cannot flush {pool!r}: {why}")
+    return b

@@ -1,0 +1,134 @@
+"""SPEC §4 measured: a backend's flush against the fp32 reference and the float64 model, on the same inputs.
+
+``measure(pool, idx, backend)`` runs one flush in place and returns, per due program, the reconstruction errors of
+the backend, the fp32 reference and the float64 model against the float64 rebuilt state, and how the codes differ
+from the reference's. The tests, the demo and the GPU suite all judge by :class:`Parity`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import reference as ref
+from .ops import flush
+from .pool import Pool
+
+BACKEND_PER_PROGRAM = 1.02  # err_backend <= 1.02 err_ref + 1e-6 (SPEC §4)
+BACKEND_RMS = 1.003  # root-mean-square of err_backend / err_ref over a batch
+REF_VS_F64 = 1.005  # err_ref32 <= 1.005 err_ref64 + 1e-6
+ABS_SLACK = 1e-6
+
+
+@dataclass
+class Parity:
+    """Per due program (flattened), float64 on the CPU."""
+
+    err_backend: torch.Tensor
+    err_ref: torch.Tensor
+    err_f64: torch.Tensor
+    code_diff_frac: float  # fraction of codes that differ from the reference's
+    code_diff_max: int  # largest |difference| of a code
+    finite: bool  # the backend's outputs are finite wherever the reference's are
+
+    @property
+    def count(self) -> int:
+        return self.err_backend.numel()
+
+    @staticmethod
+    def _ratio(a, b):
+        return torch.where(b > 0, a / torch.where(b > 0, b, torch.ones_like(b)), torch.where(a > 0, torch.inf, 1.0))
+
+    @property
+    def ratio(self) -> torch.Tensor:
+        """err_backend / err_ref per program (1 where both are 0)."""
+        return self._ratio(self.err_backend, self.err_ref)
+
+    @property
+    def ratio_ref(self) -> torch.Tensor:
+        """err_ref32 / err_ref64 per program."""
+        return self._ratio(self.err_ref, self.err_f64)
+
+    def rms_ratio(self) -> float:
+        return float(self.ratio.pow(2).mean().sqrt()) if self.count else 1.0
+
+    def backend_ok(self) -> bool:
+        per = bool((self.err_backend <= BACKEND_PER_PROGRAM * self.err_ref + ABS_SLACK).all())
+        return per and self.finite
+
+    def reference_ok(self) -> bool:
+        return bool((self.err_ref <= REF_VS_F64 * self.err_f64 + ABS_SLACK).all())
+
+    def failures(self) -> list[str]:
+        out = []
+        if not self.finite:
+            out.append("backend output not finite where the reference's is")
+        bad = self.err_backend > BACKEND_PER_PROGRAM * self.err_ref + ABS_SLACK
+        if bad.any():
+            i = int(bad.nonzero()[0, 0])
+            out.append(f"{int(bad.sum())} programs over 1.02x: e.g. err_backend={float(self.err_backend[i]):.6g} "
+                       f"err_ref={float(self.err_ref[i]):.6g}")
+        bad = self.err_ref > REF_VS_F64 * self.err_f64 + ABS_SLACK
+        if bad.any():
+            i = int(bad.nonzero()[0, 0])
+            out.append(f"{int(bad.sum())} reference programs over 1.005x float64: e.g. err_ref={float(self.err_ref[i]):.6g}"
+                       f" err_f64={float(self.err_f64[i]):.6g}")
+        return out
+
+    def summary(self) -> dict:
+        r, rr = self.ratio, self.ratio_ref
+        return {
+            "programs": self.count,
+            "ratio_mean": float(r.mean()) if self.count else 1.0,
+            "ratio_worst": float(r.max()) if self.count else 1.0,
+            "ratio_rms": self.rms_ratio(),
+            "ref_vs_f64_mean": float(rr.mean()) if self.count else 1.0,
+            "ref_vs_f64_worst": float(rr.max()) if self.count else 1.0,
+            "err_ref_mean": float(self.err_ref.mean()) if self.count else 0.0,
+            "code_diff_frac": self.code_diff_frac,
+            "code_diff_max": self.code_diff_max,
+            "finite": self.finite,
+        }
+
+    @staticmethod
+    def concat(parts: list["Parity"]) -> "Parity":
+        cnt = sum(p.count for p in parts)
+        return Parity(
+            torch.cat([p.err_backend for p in parts]),
+            torch.cat([p.err_ref for p in parts]),
+            torch.cat([p.err_f64 for p in parts]),
+            sum(p.code_diff_frac * p.count for p in parts) / max(cnt, 1),
+            max([p.code_diff_max for p in parts], default=0),
+            all(p.finite for p in parts),
+        )
+
+
+def measure(pool: Pool, idx: torch.Tensor, backend: str, check: bool = True) -> Parity:
+    """Flush ``pool`` in place with ``backend`` and judge every due program against the reference (SPEC §4)."""
+    due = pool.due(idx)  # [N, HV]
+    safe = torch.where(due.any(1), idx.long(), torch.zeros_like(idx, dtype=torch.long))
+    before = {k: (v.clone() if v is not None else None) for k, v in pool.checkpoint(safe).items()}
+    flush(pool, idx, backend=backend, check=check)
+    after = pool.checkpoint(safe)
+    m = due.cpu()
+    cpu = {k: (v[m.to(v.device)].cpu() if v is not None else None) for k, v in before.items()}
+    new = {k: after[k][m.to(after[k].device)].cpu() for k in ("codes", "s_k", "s_v", "u", "q")}
+
+    S64 = ref.rebuild(**cpu, gate=pool.gate, dtype=torch.float64)
+    S32 = ref.rebuild(**cpu, gate=pool.gate)
+    r32 = ref.compress(S32, pool.q0.cpu(), pool.iters)
+    r64 = ref.compress(S64, pool.q0.cpu(), pool.iters)
+    err_ref = ref.relative_error(ref.reconstruct(*r32), S64)
+    err_f64 = ref.relative_error(ref.reconstruct(*r64), S64)
+    rec_b = ref.reconstruct(new["codes"], new["s_k"], new["s_v"], new["u"], new["q"])
+    err_b = ref.relative_error(rec_b, S64)
+    rec_r = ref.reconstruct(*r32)
+    finite = bool((torch.isfinite(rec_b) | ~torch.isfinite(rec_r)).all())
+    diff = (new["codes"].int() - r32[0].int()).abs()
+    return Parity(
+        err_b, err_ref, err_f64,
+        float((diff > 0).float().mean()) if diff.numel() else 0.0,
+        int(diff.max()) if diff.numel() else 0,
+        finite,
+    )

@@ -1,0 +1,200 @@
+"""The reference flush: SPEC §3 in plain torch, the definition of correct.
+
+Written for clarity, vectorised over any leading batch dimensions, the same code on CPU and CUDA. Every function
+takes the arithmetic dtype (``torch.float32`` is the reference; ``torch.float64`` is the float64 model the reference
+itself is checked against). Shapes use the SPEC's letters: ``V`` value channels (rows), ``K`` key channels (columns),
+``L`` ring entries, ``R`` rank; ``...`` is any batch, e.g. ``[N, HV]``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .backends import Backend, Requirements
+from .constants import EPS, FLOOR, FP16_MAX, PNMIN, QMAX, TINY
+
+if TYPE_CHECKING:
+    from .pool import Pool
+
+
+def dequantise(codes, s_k, s_v, dtype=torch.float32):
+    """``Dq[v, k] = C[v, k] * (s_v[v] / QMAX) * s_k[k]`` -> ``[..., V, K]``."""
+    return codes.to(dtype) * (s_v.to(dtype) / QMAX)[..., :, None] * s_k.to(dtype)[..., None, :]
+
+
+def low_rank(u, q, dtype=torch.float32):
+    """``sum_r q_r (outer) u_r`` from fp16 factors ``u [..., R, K]``, ``q [..., R, V]`` -> ``[..., V, K]``."""
+    return torch.einsum("...rv,...rk->...vk", q.to(dtype), u.to(dtype))
+
+
+def decays(gbuf, dtype=torch.float32):
+    """KDA: ``d_j[k] = prod_{i=j+1}^{L-1} gbuf[i, k]`` (``d_{L-1} = 1``) from ``gbuf [..., L, K]``."""
+    g = gbuf.to(dtype)
+    suffix = torch.flip(torch.cumprod(torch.flip(g, [-2]), dim=-2), [-2])  # prod_{i >= j}
+    return torch.cat([suffix[..., 1:, :], torch.ones_like(g[..., :1, :])], dim=-2)
+
+
+def ring_state(kbuf, ubuf, w, gbuf, gate, dtype=torch.float32):
+    """The ring buffer's contribution ``[..., V, K]`` (SPEC §3 step 3)."""
+    k = kbuf.to(dtype)
+    if gate == "kda":
+        k = k * decays(gbuf, dtype)
+    return torch.einsum("...lv,...lk->...vk", ubuf.to(dtype), w.to(dtype)[..., :, None] * k)
+
+
+def checkpoint_scale(pcum, gate, dtype=torch.float32):
+    """What multiplies the checkpoint: ``exp(pcum) [..., 1, K]`` (KDA) or ``max(pcum[0], PNMIN) [..., 1, 1]``."""
+    p = pcum.to(dtype)
+    if gate == "kda":
+        return torch.exp(p)[..., None, :]
+    return torch.clamp_min(p[..., :1], PNMIN)[..., None, :]
+
+
+def rebuild(codes, s_k, s_v, u, q, kbuf, ubuf, w, pcum, gbuf=None, *, gate="kda", dtype=torch.float32):
+    """The rebuilt state ``S [..., V, K]`` (SPEC §3 steps 1-4).
+
+    Args:
+        codes: int8 ``[..., V, K]``; s_k: ``[..., K]``; s_v: ``[..., V]``; u: fp16 ``[..., R, K]``;
+        q: fp16 ``[..., R, V]``; kbuf: bf16 ``[..., L, K]``; ubuf: bf16 ``[..., L, V]``; w: ``[..., L]``;
+        pcum: ``[..., K]`` (KDA) or ``[..., 1]`` (GDN); gbuf: fp16 ``[..., L, K]`` (KDA) or None (GDN).
+    """
+    old = dequantise(codes, s_k, s_v, dtype) + low_rank(u, q, dtype)
+    return old * checkpoint_scale(pcum, gate, dtype) + ring_state(kbuf, ubuf, w, gbuf, gate, dtype)
+
+
+def predict(codes, s_k, s_v, u, q, kbuf, ubuf, w, pcum, gbuf=None, *, gate="kda", k, dtype=torch.float32):
+    """``S k`` for keys ``k [..., K]`` without forming ``S``: what the step kernel predicts (SPEC §6)."""
+    k = k.to(dtype)
+    ks = k * checkpoint_scale(pcum, gate, dtype)[..., 0, :]  # the checkpoint's decay folded into the key
+    dq = (s_v.to(dtype) / QMAX) * torch.einsum("...vk,...k->...v", codes.to(dtype), s_k.to(dtype) * ks)
+    lo = torch.einsum("...rv,...r->...v", q.to(dtype), torch.einsum("...rk,...k->...r", u.to(dtype), ks))
+    kk = kbuf.to(dtype)
+    if gate == "kda":
+        kk = kk * decays(gbuf, dtype)
+    ring = torch.einsum("...lv,...l->...v", ubuf.to(dtype), w.to(dtype) * torch.einsum("...lk,...k->...l", kk, k))
+    return dq + lo + ring
+
+
+def cholqr(Y, floor: float = FLOOR):
+    """One CholeskyQR step with the relative pivot floor: ``Y L^{-T}`` where ``Y^T Y = L L^T`` (SPEC §3 step 5).
+
+    ``L_ii = sqrt(max(G_ii - sum_{j<i} L_ij^2, floor * G_ii, TINY))``. ``Y [..., V, R]``, R <= 4, so the
+    factorisation is written out column by column.
+    """
+    R = Y.shape[-1]
+    G = Y.transpose(-1, -2) @ Y  # [..., R, R]
+    Lf = torch.zeros_like(G)
+    for i in range(R):
+        d = G[..., i, i] - (Lf[..., i, :i] ** 2).sum(-1)
+        piv = torch.sqrt(torch.maximum(torch.maximum(d, floor * G[..., i, i]), torch.full_like(d, TINY)))
+        Lf[..., i, i] = piv
+        for k in range(i + 1, R):
+            Lf[..., k, i] = (G[..., k, i] - (Lf[..., k, :i] * Lf[..., i, :i]).sum(-1)) / piv
+    cols = []
+    for i in range(R):
+        c = Y[..., :, i]
+        for j in range(i):
+            c = c - Lf[..., i, j, None] * cols[j]
+        cols.append(c / Lf[..., i, i, None])
+    return torch.stack(cols, dim=-1)
+
+
+def pow2_normaliser(S):
+    """A power of two ``c [..., 1, 1]`` with ``max|c S|`` in [0.5, 1) (1 for a zero state): scaling by it is exact,
+    and keeps the subspace products finite for ``max|S|`` anywhere in the SPEC's domain."""
+    m = S.abs().amax(dim=(-2, -1), keepdim=True)
+    _, e = torch.frexp(m)
+    return torch.where(m > 0, torch.ldexp(torch.ones_like(m), -e), torch.ones_like(m))
+
+
+def subspace(S, q0, iters: int = 1):
+    """``ITERS`` rounds of the block power method from ``q0 [V, R]``, each closed by CholeskyQR2 -> ``Q [..., V, R]``."""
+    Sn = S * pow2_normaliser(S)
+    Q = q0.to(S.dtype).expand(*S.shape[:-2], *q0.shape)
+    for _ in range(iters):
+        P = Sn.transpose(-1, -2) @ Q  # [..., K, R]
+        Y = Sn @ P  # [..., V, R]
+        Q = cholqr(cholqr(Y))
+    return Q
+
+
+def compress(S, q0, iters: int = 1):
+    """A new checkpoint for states ``S [..., V, K]`` (SPEC §3 steps 5-9), computed in ``S.dtype``.
+
+    Returns ``(codes int8 [..., V, K], s_k [..., K], s_v [..., V], u fp16 [..., R, K], q fp16 [..., R, V])``; the
+    scales are in ``S.dtype`` (the caller stores them as fp32).
+    """
+    dt = S.dtype
+    q16 = subspace(S, q0, iters).to(torch.float16)  # [..., V, R]
+    U = S.transpose(-1, -2) @ q16.to(dt)  # [..., K, R]
+    u16 = U.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
+    E = S - q16.to(dt) @ u16.to(dt).transpose(-1, -2)  # [..., V, K]
+    s_k = torch.clamp_min(torch.sqrt(E.abs().mean(dim=-2)), EPS)  # [..., K]
+    X = E / s_k[..., None, :]
+    s_v = torch.clamp_min(X.abs().amax(dim=-1), EPS)  # [..., V]
+    codes = torch.round(X * QMAX / s_v[..., :, None]).clamp(-QMAX, QMAX).to(torch.int8)
+    return codes, s_k, s_v, u16.transpose(-1, -2).contiguous(), q16.transpose(-1, -2).contiguous()
+
+
+def reconstruct(codes, s_k, s_v, u, q, dtype=torch.float64):
+    """The state a checkpoint represents, ``Dq + q16 u16^T`` (SPEC §4's ``rec``)."""
+    return dequantise(codes, s_k, s_v, dtype) + low_rank(u, q, dtype)
+
+
+def relative_error(rec, S):
+    """Per program ``||rec - S||_F / ||S||_F`` over the last two dims (0 where both are zero)."""
+    num = torch.linalg.vector_norm((rec - S).to(torch.float64), dim=(-2, -1))
+    den = torch.linalg.vector_norm(S.to(torch.float64), dim=(-2, -1))
+    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), num)
+
+
+class ReferenceBackend(Backend):
+    """The fp32 reference as a backend: plain torch on any device, every shape. Slow; the definition of correct.
+
+    It computes every row of ``idx`` and writes the due programs back with masked copies over the whole pool, so
+    it needs no host synchronisation and launches the same work whatever is due (graph-capturable).
+    """
+
+    name = "reference"
+    priority = 0
+    description = "fp32 torch reference (SPEC §3), any device and shape; the definition of correct, not fast"
+    requirements = Requirements(devices=("cpu", "cuda"), head_dims=None, rings=None, ranks=None, heads=None)
+
+    def flush(self, pool: "Pool", idx: torch.Tensor) -> None:
+        NS, N = pool.num_slots, idx.numel()
+        if N == 0:
+            return
+        idxl = idx.long()
+        real = (idxl >= pool.first_slot) & (idxl < NS)
+        safe = torch.where(real, idxl, torch.zeros_like(idxl))
+        due = real[:, None] & (pool.hcnt[safe] == pool.ring)  # [N, HV]
+        c = pool.checkpoint(safe)
+        S = rebuild(**c, gate=pool.gate)
+        codes, s_k, s_v, u, q = compress(S, pool.q0, pool.iters)
+        # slot -> the row of idx that names it (N: none); written without host sync, rows with a non-real slot
+        # point at a dummy entry past the end
+        target = torch.where(real, idxl, torch.full_like(idxl, NS))
+        row = torch.full((NS + 1,), N, dtype=torch.long, device=idx.device)
+        row.scatter_reduce_(0, target, torch.arange(N, device=idx.device), "amin")
+        row = row[:NS]
+        has = row < N
+        row = torch.where(has, row, torch.zeros_like(row))
+        mask = has[:, None] & due[row]  # [NS, HV]
+
+        def put(dst, new_rows):
+            m = mask.reshape(mask.shape + (1,) * (dst.dim() - 2))
+            dst.copy_(torch.where(m, new_rows[row].to(dst.dtype), dst))
+
+        put(pool.codes, codes)
+        put(pool.s_k, s_k)
+        put(pool.s_v, s_v)
+        put(pool.u, u)
+        put(pool.q, q)
+        put(pool.w, torch.zeros_like(c["w"]))
+        if pool.gate == "kda":
+            put(pool.pcum, torch.zeros_like(c["pcum"]))
+            put(pool.gbuf, torch.ones_like(c["gbuf"]))
+        else:
+            put(pool.pcum, torch.ones_like(c["pcum"]))

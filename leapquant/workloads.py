@@ -1,0 +1,132 @@
+"""Pools filled with the value regimes the flush must handle, for tests, the demo, the GPU suite and benchmarks.
+
+Every filler draws from a ``torch.Generator`` seeded by the caller (on the CPU, then moved), so a failing case is
+reproduced by its seed on any device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .pool import Pool
+
+REGIMES = ("gaussian", "lowrank", "large_columns", "realistic", "zero", "tiny", "huge", "decayed")
+"""Value regimes of the rebuilt state: Gaussian; low rank plus noise; a few large columns; states produced by
+``Pool.append`` over a token stream (KDA-like); all zero; tiny (max|S| near 2^-40) and huge (near 2^40) scales;
+fully decayed gates (checkpoint multiplied by 0, the ring entries' decays 0)."""
+
+
+def _randn(gen, *shape):
+    return torch.randn(*shape, generator=gen, dtype=torch.float32)
+
+
+def _rand(gen, *shape):
+    return torch.rand(*shape, generator=gen, dtype=torch.float32)
+
+
+def target_states(regime: str, n: int, heads: int, V: int, K: int, gen: torch.Generator) -> torch.Tensor:
+    """States ``[n, heads, V, K]`` of a regime (before the ring buffer is added)."""
+    shape = (n, heads, V, K)
+    if regime in ("gaussian", "decayed"):
+        return _randn(gen, *shape)
+    if regime == "lowrank":
+        sig = torch.tensor([12.0, 6.0, 4.0, 2.5, 1.5, 1.0])
+        a = _randn(gen, n, heads, V, 6) / math.sqrt(V)
+        b = _randn(gen, n, heads, K, 6) / math.sqrt(K)
+        return 8.0 * torch.einsum("...vr,r,...kr->...vk", a, sig, b) + 0.02 * _randn(gen, *shape)
+    if regime == "large_columns":
+        S = _randn(gen, *shape)
+        big = torch.randperm(K, generator=gen)[:3]
+        S[..., big] *= 40.0
+        return S
+    if regime == "zero":
+        return torch.zeros(shape)
+    if regime == "tiny":
+        return _randn(gen, *shape) * 2.0**-42
+    if regime == "huge":
+        return _randn(gen, *shape) * 2.0**37
+    raise ValueError(f"unknown regime {regime!r}; known: {REGIMES}")
+
+
+def _ring_scale(regime: str) -> float:
+    return {"zero": 0.0, "tiny": 2.0**-42, "huge": 2.0**37}.get(regime, 1.0)
+
+
+def fill(pool: Pool, slots, regime: str, gen: torch.Generator, due: torch.Tensor | None = None) -> None:
+    """Give ``slots`` a checkpoint and a full ring of ``regime``; ``hcnt = L`` where ``due [len(slots), HV]`` is
+    true (default: every head), else a count below L."""
+    slots = torch.as_tensor(slots, dtype=torch.long).reshape(-1)
+    n, HV, K, V, L = slots.numel(), pool.heads, pool.head_k, pool.head_v, pool.ring
+    dev = pool.device
+    if n == 0:
+        return
+    if regime == "realistic":
+        _fill_by_stream(pool, slots, gen)
+    else:
+        pool.load_states(slots, target_states(regime, n, HV, V, K, gen).to(dev))
+        scale = _ring_scale(regime)
+        k = torch.nn.functional.normalize(_randn(gen, n, HV, L, K), dim=-1)
+        pool.kbuf[slots.to(dev)] = k.to(torch.bfloat16).to(dev)
+        pool.ubuf[slots.to(dev)] = (scale * _randn(gen, n, HV, L, V)).to(torch.bfloat16).to(dev)
+        pool.w[slots.to(dev)] = (0.05 + 0.95 * _rand(gen, n, HV, L)).to(dev)
+        if pool.gate == "kda":
+            if regime == "decayed":
+                g = torch.zeros(n, HV, L, K)
+                pc = torch.full((n, HV, K), -1.0e4)
+            else:
+                g = torch.exp(-0.2 * _rand(gen, n, HV, L, K))
+                pc = -0.5 * _rand(gen, n, HV, K)
+            pool.gbuf[slots.to(dev)] = g.to(torch.float16).to(dev)
+            pool.pcum[slots.to(dev)] = pc.to(dev)
+        else:
+            pc = torch.zeros(n, HV, 1) if regime == "decayed" else 0.3 + 0.7 * _rand(gen, n, HV, 1)
+            pool.pcum[slots.to(dev)] = pc.to(dev)
+    if due is None:
+        due = torch.ones(n, HV, dtype=torch.bool)
+    below = torch.randint(0, L, (n, HV), generator=gen, dtype=torch.int32)
+    pool.hcnt[slots.to(dev)] = torch.where(due.cpu(), torch.full_like(below, L), below).to(dev)
+
+
+def token_stream(n: int, heads: int, K: int, V: int, T: int, gate: str, gen: torch.Generator, structured=False):
+    """Synthetic decode inputs ``(k, v, g, beta)``, each ``[T, n, heads, ...]``.
+
+    Keys are unit vectors; KDA log-decays per key channel give memory lengths from ~10 to ~1000 tokens
+    (``g = log(1 - 1/tau)``, tau log-uniform); GDN takes one such decay per head; beta in (0, 1). ``structured``
+    draws keys near a few dominant directions and adds outlier value channels, as trained models show.
+    """
+    tau = torch.exp(math.log(10.0) + (math.log(1000.0) - math.log(10.0)) * _rand(gen, n, heads, K))
+    g_kda = torch.log1p(-1.0 / tau)
+    if structured:
+        dirs = torch.nn.functional.normalize(_randn(gen, n, heads, 3, K), dim=-1)
+        coef = _randn(gen, T, n, heads, 3) * torch.tensor([3.0, 1.5, 1.0])
+        k = torch.einsum("tnhd,nhdk->tnhk", coef, dirs) + 0.3 * _randn(gen, T, n, heads, K) / math.sqrt(K)
+    else:
+        k = _randn(gen, T, n, heads, K)
+    k = torch.nn.functional.normalize(k, dim=-1)
+    v = _randn(gen, T, n, heads, V)
+    if structured:
+        out = torch.randperm(V, generator=gen)[:4]
+        v[..., out] *= 10.0
+    beta = 0.05 + 0.9 * _rand(gen, T, n, heads)
+    if gate == "kda":
+        g = g_kda.expand(T, n, heads, K) * (0.5 + _rand(gen, T, n, heads, K))
+    else:
+        g = g_kda[..., 0].expand(T, n, heads) * (0.5 + _rand(gen, T, n, heads))
+    return k, v, g, beta
+
+
+def _fill_by_stream(pool: Pool, slots: torch.Tensor, gen: torch.Generator, fills: int = 3) -> None:
+    """States as an engine makes them: tokens appended and rings flushed (by the reference) ``fills`` times over,
+    leaving a full ring."""
+    from .reference import ReferenceBackend
+
+    n, dev = slots.numel(), pool.device
+    pool.load_states(slots, torch.zeros(n, pool.heads, pool.head_v, pool.head_k, device=dev))
+    k, v, g, beta = token_stream(n, pool.heads, pool.head_k, pool.head_v, fills * pool.ring, pool.gate, gen)
+    idx = slots.to(torch.int32).to(dev)
+    for t in range(fills * pool.ring):
+        if t and t % pool.ring == 0:
+            ReferenceBackend().flush(pool, idx)
+        pool.append(slots, k[t], v[t], g[t], beta[t])

@@ -1,0 +1,51 @@
+"""Profiles, devices and backends under test.
+
+Hypothesis profiles: ``ci`` (derandomised; loaded when ``CI`` is set), ``dev`` (quick, the default), ``long``
+(``HYPOTHESIS_PROFILE=long``, for a night run or the GPU suite). On a machine without CUDA, Triton kernels run through
+its interpreter: ``TRITON_INTERPRET=1`` is set here before anything imports Triton.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+import leapquant  # noqa: E402
+
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", derandomize=True, max_examples=12, print_blob=True, **_common)
+settings.register_profile("dev", max_examples=6, **_common)
+settings.register_profile("long", max_examples=200, **_common)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def devices() -> list[str]:
+    return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def backends_here(device: str) -> list[str]:
+    """Backends that can run on ``device`` here (compiled backends on the CPU only through an interpreter)."""
+    out = []
+    for info in leapquant.backends():
+        if not info.available:
+            continue
+        b = leapquant.get_backend(info.name)
+        if device in b.requirements.devices:
+            out.append(info.name)
+    return out
+
+
+def pytest_generate_tests(metafunc):
+    if "backend_device" in metafunc.fixturenames:
+        params = [(b, d) for d in devices() for b in backends_here(d)]
+        metafunc.parametrize("backend_device", params, ids=[f"{b}-{d}" for b, d in params])
+
+
+def pytest_report_header(config):
+    rows = [f"{i.name}: {'available' if i.available else 'unavailable'} ({i.reason})" for i in leapquant.backends()]
+    return ["leapquant backends: " + "; ".join(rows), f"devices under test: {devices()}"]

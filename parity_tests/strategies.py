@@ -1,0 +1,79 @@
+"""Hypothesis strategies: draw a pool's structure (shape, gate, convention, regime, due pattern, idx, seed) and build
+its tensors from a ``torch.Generator`` seeded by the drawn seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+
+import leapquant
+from leapquant.workloads import REGIMES, fill
+
+
+@dataclass
+class Case:
+    pool: leapquant.Pool
+    idx: torch.Tensor
+    regime: str
+    seed: int
+
+    def __repr__(self) -> str:
+        return f"Case({self.pool!r}, idx={self.idx.tolist()}, regime={self.regime!r}, seed={self.seed})"
+
+
+def build_case(
+    *, heads, head_k, head_v, ring, rank, gate, convention, regime, rows, due_frac, padding, seed, device,
+    num_slots=None, iters=1,
+) -> Case:
+    """A pool whose ``rows`` sequences sit in random slots; ``due_frac`` of their heads due; ``padding`` extra idx
+    entries that name no real slot (the convention's pad value, or out-of-range values)."""
+    gen = torch.Generator().manual_seed(seed)
+    first = 1 if convention == "vllm" else 0
+    NS = num_slots or first + rows + 2
+    pool = leapquant.Pool(NS, heads, head_k, head_v, ring, rank, gate=gate, convention=convention, device=device,
+                          iters=iters)
+    slots = (torch.randperm(NS - first, generator=gen)[:rows] + first).to(torch.long)
+    due = torch.rand(rows, heads, generator=gen) < due_frac
+    fill(pool, slots, regime, gen, due=due)
+    pad_value = 0 if convention == "vllm" else -1
+    pads = [pad_value if i % 2 == 0 else NS + i for i in range(padding)]
+    idx = torch.cat([slots.to(torch.int32), torch.tensor(pads, dtype=torch.int32)])
+    idx = idx[torch.randperm(idx.numel(), generator=gen)]
+    return Case(pool, idx.to(device), regime, seed)
+
+
+def shapes(small: bool = True):
+    """Geometry kwargs. ``small`` keeps interpreter runs short: few heads, and the default head size most often."""
+    head = st.sampled_from([(128, 128), (64, 64), (128, 64), (64, 128)]) if not small else st.sampled_from(
+        [(128, 128), (128, 128), (64, 64)])
+    return st.fixed_dictionaries({
+        "heads": st.sampled_from([1, 2, 3] if small else [1, 4, 8, 16, 32]),
+        "hk_hv": head,
+        "ring": st.sampled_from([8, 16, 32]),
+        "rank": st.integers(1, 4),
+        "gate": st.sampled_from(["kda", "gdn"]),
+        "convention": st.sampled_from(["vllm", "sglang"]),
+    })
+
+
+@st.composite
+def cases(draw, device="cpu", small=True, regimes=REGIMES, geometry=None):
+    g = dict(geometry) if geometry is not None else draw(shapes(small))
+    head_k, head_v = g.pop("hk_hv") if "hk_hv" in g else (g.pop("head_k"), g.pop("head_v"))
+    return build_case(
+        **g, head_k=head_k, head_v=head_v,
+        regime=draw(st.sampled_from(regimes)),
+        rows=draw(st.integers(1, 3)),
+        due_frac=draw(st.sampled_from([1.0, 0.5, 0.0625])),
+        padding=draw(st.integers(0, 2)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+        device=device,
+    )
+
+
+def random_bits(t: torch.Tensor, gen: torch.Generator) -> None:
+    """Fill a tensor with random bit patterns (NaNs and infinities included) through an integer view."""
+    iv = t.view(torch.uint8)
+    iv.copy_(torch.randint(0, 256, iv.shape, generator=gen, dtype=torch.uint8).to(iv.device))
