@@ -1,7 +1,7 @@
 """Profiles, devices and backends under test.
 
 Hypothesis profiles: ``ci`` (derandomised; loaded when ``CI`` is set), ``dev`` (quick, the default), ``long``
-(``HYPOTHESIS_PROFILE=long``, for a night run or the GPU suite). On a machine without CUDA, Triton kernels run through
+(``HYPOTHESIS_PROFILE=long``, for a night run), ``gpu`` (the GPU suite). On a machine without CUDA, Triton kernels run through
 its interpreter: ``TRITON_INTERPRET=1`` is set here before anything imports Triton.
 """
 
@@ -20,6 +20,7 @@ import leapquant  # noqa: E402
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("ci", derandomize=True, max_examples=12, print_blob=True, **_common)
 settings.register_profile("dev", max_examples=6, **_common)
+settings.register_profile("gpu", max_examples=40, **_common)
 settings.register_profile("long", max_examples=200, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
@@ -29,13 +30,12 @@ def devices() -> list[str]:
 
 
 def backends_here(device: str) -> list[str]:
-    """Backends that can run on ``device`` here (compiled backends on the CPU only through an interpreter)."""
+    """Backends that can flush a default pool (32 heads of 128 x 128) on ``device`` here (compiled backends on the
+    CPU only through an interpreter)."""
+    probe = leapquant.Pool(2, 32, device=device)
     out = []
     for info in leapquant.backends():
-        if not info.available:
-            continue
-        b = leapquant.get_backend(info.name)
-        if device in b.requirements.devices:
+        if info.available and leapquant.get_backend(info.name).supports(probe)[0]:
             out.append(info.name)
     return out
 

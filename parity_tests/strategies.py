@@ -44,23 +44,35 @@ def build_case(
     return Case(pool, idx.to(device), regime, seed)
 
 
-def shapes(small: bool = True):
-    """Geometry kwargs. ``small`` keeps interpreter runs short: few heads, and the default head size most often."""
-    head = st.sampled_from([(128, 128), (64, 64), (128, 64), (64, 128)]) if not small else st.sampled_from(
-        [(128, 128), (128, 128), (64, 64)])
+def _allowed(options, allowed):
+    return [o for o in options if allowed is None or o in allowed] or list(allowed)
+
+
+def shapes(backend: str = "reference", small: bool = True):
+    """Geometry kwargs within what ``backend`` supports. ``small`` keeps interpreter runs short: few heads, and the
+    default head size most often."""
+    req = leapquant.get_backend(backend).requirements
+    heads = [1, 2, 3] if small else [1, 4, 8, 16, 32]
+    dims = [(128, 128), (128, 128), (64, 64)] if small else [(128, 128), (64, 64), (128, 64), (64, 128)]
     return st.fixed_dictionaries({
-        "heads": st.sampled_from([1, 2, 3] if small else [1, 4, 8, 16, 32]),
-        "hk_hv": head,
-        "ring": st.sampled_from([8, 16, 32]),
-        "rank": st.integers(1, 4),
-        "gate": st.sampled_from(["kda", "gdn"]),
-        "convention": st.sampled_from(["vllm", "sglang"]),
+        "heads": st.sampled_from(_allowed(heads, req.heads)),
+        "hk_hv": st.sampled_from(_allowed(dims, req.head_dims)),
+        "ring": st.sampled_from(_allowed([8, 16, 32], req.rings)),
+        "rank": st.sampled_from(_allowed([1, 2, 3, 4], req.ranks)),
+        "gate": st.sampled_from(_allowed(["kda", "gdn"], req.gates)),
+        "convention": st.sampled_from(_allowed(["vllm", "sglang"], req.conventions)),
     })
 
 
+def default_geometry(backend: str, heads: int = 2) -> dict:
+    """The default geometry (128 x 128, ring 16, rank 4) with ``heads`` heads, or the backend's own head count."""
+    req = leapquant.get_backend(backend).requirements
+    return {"heads": heads if req.heads is None or heads in req.heads else req.heads[0]}
+
+
 @st.composite
-def cases(draw, device="cpu", small=True, regimes=REGIMES, geometry=None):
-    g = dict(geometry) if geometry is not None else draw(shapes(small))
+def cases(draw, device="cpu", small=True, regimes=REGIMES, geometry=None, backend="reference"):
+    g = dict(geometry) if geometry is not None else draw(shapes(backend, small))
     head_k, head_v = g.pop("hk_hv") if "hk_hv" in g else (g.pop("head_k"), g.pop("head_v"))
     return build_case(
         **g, head_k=head_k, head_v=head_v,

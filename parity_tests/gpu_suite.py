@@ -1,0 +1,137 @@
+"""The whole GPU check in one call: the parity test suite on the GPU, then per-regime error ratios of every backend.
+
+    python -m parity_tests.gpu_suite --out DIR
+
+Writes ``DIR/gpu_report.md`` (pass/fail per property and backend, ratios per regime, the GPU, driver, torch,
+Triton and TileLang versions) and ``DIR/gpu_report.json``; exits non-zero if any test or ratio fails. The committed
+``parity_tests/gpu_report.md`` is the report of the run a closing note cites.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import leapquant
+from leapquant import parity
+from leapquant.__main__ import device_lines
+from leapquant.workloads import REGIMES
+
+from .conftest import backends_here
+from .strategies import build_case
+
+
+def driver() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0]
+    except Exception as e:  # the report says it could not be read
+        return f"unknown ({type(e).__name__})"
+
+
+def run_pytest(out: Path, profile: str) -> tuple[int, dict]:
+    xml = out / "pytest.xml"
+    env = dict(os.environ, HYPOTHESIS_PROFILE=profile)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "parity_tests"]
+    rc = subprocess.call(cmd, env=env)
+    results: dict[str, dict[str, int]] = defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0})
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        name = case.get("name", "")
+        prop = f"{case.get('classname', '').split('.')[-1]}::{name.split('[')[0]}"
+        param = name[len(name.split('[')[0]):]
+        key = f"{prop} {param.split('-')[0].strip('[]') if param else ''}".strip()
+        if case.find("failure") is not None or case.find("error") is not None:
+            results[key]["failed"] += 1
+        elif case.find("skipped") is not None:
+            results[key]["skipped"] += 1
+        else:
+            results[key]["passed"] += 1
+    return rc, dict(results)
+
+
+def regime_table(rows: int, heads: int) -> tuple[list[dict], bool]:
+    table, ok = [], True
+    backends = backends_here("cuda")
+    for gate in ("kda", "gdn"):
+        for i, regime in enumerate(REGIMES):
+            case = build_case(heads=heads, head_k=128, head_v=128, ring=16, rank=4, gate=gate, convention="vllm",
+                              regime=regime, rows=rows, due_frac=1.0, padding=2, seed=500 + i, device="cuda")
+            for b in backends:
+                pool = copy.deepcopy(case.pool)
+                if not leapquant.get_backend(b).supports(pool)[0]:
+                    continue
+                p = parity.measure(pool, case.idx, b)
+                s = p.summary()
+                s.update(backend=b, gate=gate, regime=regime, pass_=p.backend_ok() and p.reference_ok())
+                ok &= s["pass_"]
+                table.append(s)
+        # the batch RMS criterion over all regimes of this gate
+        for b in backends:
+            rs = [r for r in table if r["backend"] == b and r["gate"] == gate]
+            if not rs:
+                continue
+            n = sum(r["programs"] for r in rs)
+            rms = (sum(r["ratio_rms"] ** 2 * r["programs"] for r in rs) / n) ** 0.5
+            table.append({"backend": b, "gate": gate, "regime": "ALL (RMS)", "programs": n, "ratio_rms": rms,
+                          "ratio_mean": sum(r["ratio_mean"] * r["programs"] for r in rs) / n,
+                          "ratio_worst": max(r["ratio_worst"] for r in rs), "pass_": rms <= parity.BACKEND_RMS})
+            ok &= rms <= parity.BACKEND_RMS
+    return table, ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_report"))
+    ap.add_argument("--profile", default="gpu")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--skip-pytest", action="store_true")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if not torch.cuda.is_available():
+        print("gpu_suite needs a CUDA device", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    env = device_lines() + [f"driver {driver()}", f"date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"]
+    print("\n".join(env), flush=True)
+    rc, props = (0, {}) if args.skip_pytest else run_pytest(out, args.profile)
+    print(f"pytest exit {rc} ({time.time() - t0:.0f} s)", flush=True)
+    table, ratios_ok = regime_table(args.rows, 32)
+    lines = ["# GPU parity report", "", "Command: `python -m parity_tests.gpu_suite` (see bench/run_on_device.sh)", ""]
+    lines += [f"- {e}" for e in env] + ["", "## Properties (pytest on the GPU machine)", "",
+                                        "| property / backend | passed | failed | skipped |", "| --- | ---: | ---: | ---: |"]
+    for k in sorted(props):
+        v = props[k]
+        lines.append(f"| {k} | {v['passed']} | {v['failed']} | {v['skipped']} |")
+    lines += ["", f"pytest exit code: {rc}", "", "## Error ratios per value regime (err_backend / err_ref; "
+              f"{args.rows} rows x 32 heads, all due; ref32/f64 = reference over the float64 model)", "",
+              "| backend | gate | regime | programs | mean | worst | RMS | ref32/f64 worst | codes differing | max code diff | pass |",
+              "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in table:
+        lines.append(
+            f"| {r['backend']} | {r['gate']} | {r['regime']} | {r['programs']} | {r['ratio_mean']:.5f} | "
+            f"{r['ratio_worst']:.5f} | {r['ratio_rms']:.5f} | {r.get('ref_vs_f64_worst', float('nan')):.5f} | "
+            f"{100 * r.get('code_diff_frac', 0):.4f} % | {r.get('code_diff_max', '')} | "
+            f"{'PASS' if r['pass_'] else 'FAIL'} |")
+    ok = rc == 0 and ratios_ok
+    lines += ["", f"Overall: {'PASS' if ok else 'FAIL'} ({time.time() - t0:.0f} s)"]
+    (out / "gpu_report.md").write_text("\n".join(lines) + "\n")
+    (out / "gpu_report.json").write_text(json.dumps({"env": env, "pytest_rc": rc, "properties": props,
+                                                     "regimes": table}, indent=1, default=str))
+    print("\n".join(lines[-len(table) - 4:]))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

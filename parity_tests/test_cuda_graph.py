@@ -1,0 +1,59 @@
+"""CUDA-graph capture and replay of ``flush(check=False)`` for every backend available on the GPU.
+
+Only generated where CUDA is present (the parameter list is empty elsewhere). The captured graph must follow what
+``idx`` and ``hcnt`` hold at replay time, not at capture time: the test changes both in place between replays and
+compares each replay with an eager flush of a twin pool, bit for bit.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import leapquant
+from leapquant.workloads import fill
+
+from .conftest import backends_here
+
+CUDA_BACKENDS = backends_here("cuda") if torch.cuda.is_available() else ["none"]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+
+
+def _state(pool):
+    return [pool.raw, pool.w, pool.pcum, pool.hcnt] + ([pool.gbuf] if pool.gbuf is not None else [])
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("backend", CUDA_BACKENDS)
+def test_graph_capture_and_replay(backend, gate):
+    pool = leapquant.Pool(12, 32, gate=gate, device="cuda")
+    gen = torch.Generator().manual_seed(21)
+    fill(pool, torch.arange(1, 12), "gaussian", gen, due=torch.rand(11, 32, generator=gen) < 0.5)
+    if not leapquant.get_backend(backend).supports(pool)[0]:
+        pytest.fail(f"{backend} is available on this GPU but does not support the default pool")
+    idx = torch.tensor([3, 0, 7, 1, 9, 0, 11, 5], dtype=torch.int32, device="cuda")
+    leapquant.flush(pool, idx, backend=backend)  # warm-up: compile outside the capture
+    fill(pool, torch.arange(1, 12), "gaussian", gen, due=torch.rand(11, 32, generator=gen) < 0.5)
+    start = copy.deepcopy(pool)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        leapquant.flush(pool, idx, backend=backend, check=False)
+    # capture records the launches; restore the state, then replay three times with new idx / due patterns
+    for a, b in zip(_state(pool), _state(start)):
+        a.copy_(b)
+    for step in range(3):
+        twin = copy.deepcopy(pool)
+        due = pool.due(idx)
+        assert bool(due.any()), "the case must flush something"
+        graph.replay()
+        leapquant.flush(twin, idx, backend=backend, check=False)
+        torch.cuda.synchronize()
+        for a, b in zip(_state(pool), _state(twin)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (backend, step)
+        rows = idx.long()[:, None].expand_as(due)[due], torch.arange(32, device="cuda").expand_as(due)[due]
+        assert bool((pool.w[rows] == 0).all()), "the replay did not flush the programs due now"
+        # new rows in the same idx buffer and a new due pattern: the graph must follow them
+        perm = torch.randperm(11, generator=gen)[:8] + 1
+        idx.copy_(perm.to(torch.int32))
+        fill(pool, torch.arange(1, 12), "lowrank", gen, due=torch.rand(11, 32, generator=gen) < 0.3)
