@@ -202,7 +202,10 @@ class Pool:
 
     def checkpoint(self, slots) -> dict[str, torch.Tensor]:
         """The checkpoint and ring of ``slots`` gathered into fresh dense tensors, keyed by the names of ``run``."""
-        s = self._slots(slots)
+        return self._gather(self._slots(slots))
+
+    def _gather(self, s: torch.Tensor) -> dict[str, torch.Tensor]:
+        # no range check (a host sync): the reference backend calls this under CUDA-graph capture
         out = {
             "codes": self.codes[s],
             "s_k": self.s_k[s],

@@ -170,7 +170,7 @@ class ReferenceBackend(Backend):
         real = (idxl >= pool.first_slot) & (idxl < NS)
         safe = torch.where(real, idxl, torch.zeros_like(idxl))
         due = real[:, None] & (pool.hcnt[safe] == pool.ring)  # [N, HV]
-        c = pool.checkpoint(safe)
+        c = pool._gather(safe)
         S = rebuild(**c, gate=pool.gate)
         codes, s_k, s_v, u, q = compress(S, pool.q0, pool.iters)
         # slot -> the row of idx that names it (N: none); written without host sync, rows with a non-real slot
