@@ -1,0 +1,56 @@
+"""``python -m bench --cpu-smoke`` end to end (subprocess workers, records, report, JSON / markdown / plot), and the
+floor's byte count against the SPEC's own figure."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import leapquant
+from bench.flush import floor_bytes, plan, program_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_floor_bytes_match_spec_section_7():
+    """SPEC §7: all 8,192 programs due at 256 x 32 heads, 4.25 TB/s copy bandwidth -> a 109 us floor."""
+    pb = program_bytes(leapquant.Pool(2, 32))
+    # checkpoint 16384 + 512 + 512 + 2048; ring 4096 kbuf + 4096 ubuf + 64 w + 512 pcum + 4096 gbuf; resets
+    assert (pb["checkpoint"], pb["ring"], pb["resets"]) == (19456, 12864, 4672)
+    fb = floor_bytes(pb, 256 * 32, 256)
+    assert fb == 256 * 32 * (2 * 19456 + 12864 + 4672) + 256 * (32 * 4 + 4)
+    assert round(fb / 4.25e12 * 1e6) == 109
+    pg = program_bytes(leapquant.Pool(2, 4, gate="gdn"))
+    assert pg["ring"] == 4096 + 4096 + 64 + 4 and pg["resets"] == 64 + 4
+
+
+def test_cpu_smoke_end_to_end(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "bench", "--cpu-smoke", "--out", str(tmp_path),
+                           "--backends", "reference,nonesuch"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "flush_cpu.json").read_text())
+    assert doc["complete"]
+    assert doc["bandwidth"]["GBps"] > 0 and doc["bandwidth"]["copy_checked"]
+    assert doc["step"]["check"]["ok"], doc["step"]["check"]
+    assert doc["step"]["best"]["median_us"] > 0
+    cases = doc["cases"]
+    assert len(cases) == len(plan("cpu").cases)
+    for c in cases:
+        ref = c["results"]["reference"]
+        assert ref["status"] == "ok", ref
+        assert ref["due_programs"] == c["due_programs"] >= 1
+        assert ref["median_us"] > 0 and ref["x_floor"] > 0 and ref["GBps"] > 0
+        # an unknown backend is listed with its reason, never dropped
+        assert c["results"]["nonesuch"]["status"] == "unavailable"
+        assert "unknown backend" in c["results"]["nonesuch"]["reason"]
+    assert doc["amortisation"]["per_backend"]["reference"]["flush_per_token_us"] > 0
+    md = (tmp_path / "flush_cpu.md").read_text()
+    assert "| heads | N | due |" in md and "nonesuch: unavailable" in md
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "flush_cpu.png").stat().st_size > 1000
+    else:
+        assert "matplotlib" in doc["plot_error"]
