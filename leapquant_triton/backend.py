@@ -1,0 +1,82 @@
+"""The Triton backend: availability, what it supports, and the launch (the kernel is in :mod:`.kernel`)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from leapquant.backends import Backend, Requirements, capability
+from leapquant.constants import SUPPORTED_HEAD_DIMS, SUPPORTED_RANKS, SUPPORTED_RINGS
+
+if TYPE_CHECKING:
+    from leapquant.pool import Pool
+
+# Compute capabilities the kernel is claimed for; ``python -m leapquant_triton.portability`` compiles each one ahead
+# of time and fails CI if it does not fit that architecture's registers and shared memory. Not claimed: sm_75 (no tf32
+# tensor cores for the ring product: Triton falls back to FMA dots and spills 1-32 KB), and sm_100, where Triton
+# 3.6's TritonNvidiaGPUOptimizeTMemLayoutsPass fails on this kernel (a compiler crash, every shape).
+SUPPORTED_CAPABILITIES = (80, 86, 89, 90, 120)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonBackend(Backend):
+    """One Triton program per (row of ``idx``, head): the state is rebuilt, compressed and stored in registers.
+
+    Any number of heads; head dims 64 / 128 (K and V independently); ring 8 / 16 / 32; rank 1-4; ITERS 1-2; both
+    gates and both slot conventions. On CUDA sm_80, 86, 89, 90 and 120 (not sm_100: see SUPPORTED_CAPABILITIES); on CPU only under ``TRITON_INTERPRET=1`` (slow: the CI
+    path against the reference).
+    """
+
+    name = "triton"
+    priority = 10
+    description = "Triton kernel, one program per (row, head); CUDA sm_80-90, sm_120 (CPU under TRITON_INTERPRET=1)"
+    requirements = Requirements(
+        devices=("cuda", "cpu"),
+        capabilities=SUPPORTED_CAPABILITIES,
+        heads=None,
+        head_dims=tuple((k, v) for k in SUPPORTED_HEAD_DIMS for v in SUPPORTED_HEAD_DIMS),
+        rings=SUPPORTED_RINGS,
+        ranks=SUPPORTED_RANKS,
+        notes=(
+            "sm_75 is not claimed: no tf32 tensor cores for the ring product",
+            "sm_100 is not claimed: Triton 3.6 fails to compile the kernel there (TMEM layout pass)",
+            "CPU runs only through the Triton interpreter (TRITON_INTERPRET=1), for tests",
+        ),
+    )
+    max_iters = 2
+    # H200, 2026-11-30 (parity_tests/gpu_report.md): an illegal memory access on GDN pools and graph replay differing
+    # from an eager flush on KDA pools; until the GPU parity suite passes, "auto" does not pick Triton on CUDA
+    not_for_auto = {"cuda": "fails the GPU parity suite on the H200 (issue 4, parity_tests/gpu_report.md)"}
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            return False, f"triton is not installed ({e}); pip install 'leapquant[triton]'"
+        if torch.cuda.is_available() or _interpreting():
+            return True, "ok"
+        return False, "no CUDA device; on CPU the Triton backend runs only with TRITON_INTERPRET=1 set (tests)"
+
+    def supports(self, pool: "Pool") -> tuple[bool, str]:
+        ok, why = self.available()
+        if not ok:
+            return ok, why
+        if pool.device.type == "cpu" and not _interpreting():
+            return False, "pool is on the CPU; the Triton backend runs there only with TRITON_INTERPRET=1 set"
+        if pool.device.type == "cuda" and _interpreting():
+            return False, "TRITON_INTERPRET=1 is set: the interpreter cannot run on CUDA tensors at speed; unset it"
+        if pool.device.type == "cuda" and capability(pool.device) < 80:
+            return False, f"needs sm_80 or newer (tf32 tensor cores); this GPU is sm_{capability(pool.device)}"
+        if not 1 <= pool.iters <= self.max_iters:
+            return False, f"iters={pool.iters} not supported (1..{self.max_iters})"
+        return self.requirements.check(pool)
+
+    def flush(self, pool: "Pool", idx: torch.Tensor) -> None:
+        from .kernel import flush_pool
+
+        flush_pool(pool, idx)

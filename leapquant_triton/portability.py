@@ -1,0 +1,172 @@
+"""Ahead-of-time compile check of the flush kernel for every CUDA architecture the Triton backend claims, no GPU
+needed: ``python -m leapquant_triton.portability [--arch 80,90] [--quick]``.
+
+For each (architecture, shape) it runs Triton's own pipeline down to a cubin with ``triton.compile(ASTSource(...),
+target=GPUTarget("cuda", cc, 32))``, then reads the resource use back from ``ptxas -v`` (Triton's bundled ptxas, the
+same flags Triton uses) and compares it with the architecture's limits. It exits non-zero when a claimed target does
+not compile or does not fit (255 registers per thread, the shared memory per block of that architecture, no spills
+beyond :data:`MAX_SPILL_BYTES`); architectures the backend does not claim are compiled and reported but cannot fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from leapquant.pool import Geometry
+
+from .backend import SUPPORTED_CAPABILITIES
+from .kernel import kernel_constants, leapquant_flush_kernel, num_warps_for
+
+# shared memory per block (opt-in maximum), bytes, from the CUDA programming guide's table of compute capabilities
+SMEM_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
+MAX_REGS = 255
+# spills go to local memory (L1-resident at these sizes): a speed cost, reported, tolerated up to this much. Seen:
+# 0-16 B at ITERS=1 everywhere; ITERS=2 at 128 x 128 spills 56 B (sm_90), 152 B (sm_120), 484 B (sm_80/86/89)
+MAX_SPILL_BYTES = 512
+ARCHS = tuple(SMEM_LIMIT)
+
+# pointer arguments in kernel order, with their element types
+_POINTERS = {
+    "idx": "*i32", "hcnt": "*i32", "codes": "*i8", "skv": "*fp32", "uq": "*fp16", "kbuf": "*bf16",
+    "ubuf": "*bf16", "w": "*fp32", "pcum": "*fp32", "gbuf": "*fp16", "q0": "*fp32",
+}
+
+
+@dataclass
+class Shape:
+    head_k: int
+    head_v: int
+    ring: int
+    rank: int
+    gate: str
+    iters: int = 1
+
+    def __str__(self) -> str:
+        it = f" it{self.iters}" if self.iters != 1 else ""
+        return f"{self.gate} K{self.head_k} V{self.head_v} L{self.ring} R{self.rank}{it}"
+
+
+# the default geometry in both gates, the 64-dim and mixed heads, the ring and rank extremes, two iterations
+SHAPES = (
+    Shape(128, 128, 16, 4, "kda"),
+    Shape(128, 128, 16, 4, "gdn"),
+    Shape(64, 64, 16, 4, "kda"),
+    Shape(64, 64, 16, 4, "gdn"),
+    Shape(128, 64, 8, 1, "kda"),
+    Shape(64, 128, 32, 2, "gdn"),
+    Shape(128, 128, 32, 4, "kda", iters=2),
+)
+QUICK_SHAPES = SHAPES[:1] + SHAPES[2:3]
+
+
+@dataclass
+class Report:
+    arch: int
+    shape: Shape
+    num_warps: int
+    ok: bool
+    regs: int = -1
+    spill_bytes: int = -1
+    smem: int = -1
+    seconds: float = 0.0
+    error: str = ""
+
+    def line(self) -> str:
+        if self.error:
+            return f"sm_{self.arch:<4} {str(self.shape):<26} FAIL  {self.error}"
+        flag = "ok  " if self.ok else "FAIL"
+        return (f"sm_{self.arch:<4} {str(self.shape):<26} {flag}  warps {self.num_warps:2d}  regs {self.regs:3d}/{MAX_REGS}  "
+                f"spill {self.spill_bytes:4d} B  smem {self.smem / 1024:6.1f}/{SMEM_LIMIT[self.arch] >> 10} KiB  "
+                f"({self.seconds:.1f} s)")
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
+    """(registers, spill bytes stores + loads, static shared bytes) from ``ptxas -v`` on Triton's PTX."""
+    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+
+    gpu = sm_arch_from_capability(arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        res = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", src, "-o", os.path.join(tmp, "k.o")],
+                             capture_output=True, text=True, check=True)
+    log = res.stderr
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
+    m = re.search(r"(\d+) bytes smem", log)
+    return regs, spills, int(m.group(1)) if m else 0
+
+
+def compile_one(arch: int, shape: Shape, num_warps: int | None = None, maxnreg: int | None = None) -> Report:
+    """Compile the kernel for ``sm_<arch>`` at ``shape`` and check it against the architecture's limits."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not isinstance(leapquant_flush_kernel, triton.runtime.jit.JITFunction):
+        raise RuntimeError("the kernel was decorated under TRITON_INTERPRET=1; run the AOT check without it")
+    geo = Geometry(2, 32, shape.head_k, shape.head_v, shape.ring, shape.rank, shape.gate)
+    nw = num_warps or num_warps_for(shape.head_k, shape.head_v)
+    constexprs = kernel_constants(geo, "vllm", shape.iters)
+    signature = dict(_POINTERS, NS="i32", HV="i32", SS="i32")
+    signature.update({k: "constexpr" for k in constexprs})
+    # every pointer of a pool is 16-byte aligned (torch allocations; the raw views start at multiples of 16 bytes)
+    fn = leapquant_flush_kernel
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in _POINTERS}
+    t0 = time.time()
+    rep = Report(arch, shape, nw, ok=False)
+    try:
+        src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+        ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": nw, "num_stages": 1, **({"maxnreg": maxnreg} if maxnreg else {})})
+        regs, spills, static_smem = _ptxas_usage(ck.asm["ptx"], arch)
+    except Exception as e:  # a compile failure is a result of this check, reported per target
+        rep.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
+        rep.seconds = time.time() - t0
+        return rep
+    rep.regs, rep.spill_bytes, rep.smem = regs, spills, ck.metadata.shared + static_smem
+    rep.seconds = time.time() - t0
+    rep.ok = regs <= MAX_REGS and spills <= MAX_SPILL_BYTES and rep.smem <= SMEM_LIMIT[arch]
+    return rep
+
+
+def check(archs=ARCHS, shapes=SHAPES, out=sys.stdout) -> list[Report]:
+    reports = []
+    for arch in archs:
+        for shape in shapes:
+            rep = compile_one(arch, shape)
+            claimed = arch in SUPPORTED_CAPABILITIES
+            print(rep.line() + ("" if claimed else "  (not claimed)"), file=out, flush=True)
+            reports.append(rep)
+    return reports
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default=",".join(map(str, ARCHS)), help="comma-separated compute capabilities")
+    ap.add_argument("--quick", action="store_true", help="only the default 128x128 KDA shape and 64x64 KDA")
+    a = ap.parse_args(argv)
+    archs = [int(x) for x in a.arch.split(",") if x]
+    unknown = [x for x in archs if x not in SMEM_LIMIT]
+    if unknown:
+        ap.error(f"unknown architectures {unknown}; known: {list(SMEM_LIMIT)}")
+    reports = check(archs, QUICK_SHAPES if a.quick else SHAPES)
+    bad = [r for r in reports if r.arch in SUPPORTED_CAPABILITIES and not r.ok]
+    if bad:
+        print(f"{len(bad)} claimed target(s) do not fit:", file=sys.stderr)
+        for r in bad:
+            print("  " + r.line(), file=sys.stderr)
+        return 1
+    print(f"all {sum(r.arch in SUPPORTED_CAPABILITIES for r in reports)} claimed targets fit")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Targeted tests of the Triton flush kernel against the fp32 reference (SPEC §3, §4).
+
+On a machine without CUDA the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest), so
+the shapes are small: few heads and rows, every supported head dim, ring, rank, gate, convention and ITERS at least
+once. Each test builds a pool whose every byte is random first (the poison: stale bytes that a missed store would
+leave), writes valid checkpoints and rings for the programs under test, flushes with the Triton backend and checks:
+
+* per due program, ``err_triton <= 1.02 err_ref + 1e-6`` against the float64 rebuild, and the batch RMS ratio;
+* every byte of the pool outside the due programs' checkpoints and ring rows bitwise unchanged (random garbage in
+  non-due programs, in the spare head, past the checkpoint inside a region, and in slots named by no row of idx);
+* the resets of the due programs (``w = 0``; KDA ``pcum = 0``, ``gbuf = 1``; GDN ``pcum[0] = 1``; ``hcnt`` kept).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import leapquant
+from leapquant import reference as ref
+from leapquant.constants import EPS
+
+triton = pytest.importorskip("triton")
+
+from leapquant_triton.backend import TritonBackend  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BACKEND = TritonBackend()
+
+
+def _usable() -> bool:
+    return BACKEND.supports(leapquant.Pool(2, 1, 64, 64, 8, 1, device=DEVICE))[0]
+
+
+pytestmark = pytest.mark.skipif(not _usable(), reason="Triton backend cannot run here (needs CUDA or TRITON_INTERPRET)")
+
+
+def _randomise(pool: leapquant.Pool, g: torch.Generator) -> None:
+    """Every byte of every pool tensor random (finite or not), as a stale pool would be."""
+    for t in (pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.hcnt) + ((pool.gbuf,) if pool.gbuf is not None
+                                                                               else ()):
+        b = t.view(torch.uint8) if t.dim() else t
+        b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g).to(b.device))
+    # a random hcnt is almost never L; make sure of it
+    pool.hcnt.copy_(torch.where(pool.hcnt == pool.ring, pool.hcnt + 1, pool.hcnt))
+
+
+def _fill_program(pool, s: int, h: int, g: torch.Generator, scale: float = 1.0, zero: bool = False) -> None:
+    """A valid checkpoint and a full ring for (slot s, head h), state magnitude about ``scale``."""
+    V, K, L, R = pool.head_v, pool.head_k, pool.ring, pool.rank
+    rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    if zero:
+        S = torch.zeros(V, K)
+    else:
+        # low rank plus noise with a few large columns: where fp16 vs bf16 subspace numerics differ most
+        S = rnd(V, 3) @ rnd(3, K) + 0.3 * rnd(V, K)
+        S[:, :3] *= 8.0
+        S = S * (scale / S.abs().max())
+    codes, s_k, s_v, u, q = ref.compress(S[None, None], pool.q0.cpu(), iters=pool.iters)
+    dev = pool.device
+    pool.codes[s, h] = codes[0, 0].to(dev)
+    pool.s_k[s, h] = s_k[0, 0].to(dev)
+    pool.s_v[s, h] = s_v[0, 0].to(dev)
+    pool.u[s, h] = u[0, 0].to(dev)
+    pool.q[s, h] = q[0, 0].to(dev)
+    if zero:
+        pool.w[s, h] = 0.0
+        pool.kbuf[s, h] = 0.0
+        pool.ubuf[s, h] = 0.0
+    else:
+        pool.kbuf[s, h] = torch.nn.functional.normalize(rnd(L, K), dim=-1).to(dev, torch.bfloat16)
+        pool.ubuf[s, h] = (scale * 0.2 * rnd(L, V)).to(dev, torch.bfloat16)
+        pool.w[s, h] = torch.rand(L, generator=g).to(dev)
+    if pool.gate == "kda":
+        pool.gbuf[s, h] = (0.8 + 0.2 * torch.rand(L, K, generator=g)).to(dev, torch.float16)
+        pool.pcum[s, h] = (-0.5 * torch.rand(K, generator=g)).to(dev)
+    else:
+        pool.pcum[s, h] = (0.5 + 0.5 * torch.rand(1, generator=g)).to(dev)
+    pool.hcnt[s, h] = L
+
+
+def _snapshot(pool) -> dict[str, torch.Tensor]:
+    out = {"raw": pool.raw.clone(), "kbuf": pool.kbuf.clone(), "ubuf": pool.ubuf.clone(), "w": pool.w.clone(),
+           "pcum": pool.pcum.clone(), "hcnt": pool.hcnt.clone()}
+    if pool.gbuf is not None:
+        out["gbuf"] = pool.gbuf.clone()
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.dtype != torch.uint8 else t
+
+
+def _check_flush(pool, idx: list[int], due_progs: list[tuple[int, int]], scale: float = 1.0) -> dict:
+    """Flush ``idx`` with the Triton backend and check parity, untouched bytes and resets; returns statistics."""
+    before = _snapshot(pool)
+    slots = torch.tensor([s for s, _ in due_progs], dtype=torch.long)
+    heads = torch.tensor([h for _, h in due_progs], dtype=torch.long)
+    ck = {k: (v[slots, heads].cpu() if v is not None else None) for k, v in pool.checkpoint(
+        torch.arange(pool.num_slots)).items()}
+    S64 = ref.rebuild(**ck, gate=pool.gate, dtype=torch.float64)
+    S32 = ref.rebuild(**ck, gate=pool.gate)
+    want = ref.compress(S32, pool.q0.cpu(), iters=pool.iters)
+    err_ref = ref.relative_error(ref.reconstruct(*want), S64)
+
+    raw_ptr = pool.raw.data_ptr()
+    BACKEND.flush(pool, torch.tensor(idx, dtype=torch.int32, device=pool.device))
+    assert pool.raw.data_ptr() == raw_ptr
+
+    got = tuple(t[slots, heads].cpu() for t in (pool.codes, pool.s_k, pool.s_v, pool.u, pool.q))
+    for t in got[1:]:
+        assert torch.isfinite(t.float()).all()
+    err = ref.relative_error(ref.reconstruct(*got), S64)
+    bound = 1.02 * err_ref + 1e-6
+    bad = (err > bound).nonzero().flatten().tolist()
+    assert not bad, f"programs {[due_progs[i] for i in bad]}: err {err[bad].tolist()} > bound {bound[bad].tolist()}"
+    nz = err_ref > 1e-6
+    if nz.any():
+        rms = torch.sqrt(((err[nz] / err_ref[nz]) ** 2).mean()).item()
+        assert rms <= 1.003 + 0.02 / nz.sum().item() ** 0.5, f"RMS error ratio {rms}"
+
+    # untouched: everything except the due programs' checkpoints and ring rows, byte for byte
+    g = pool.geometry
+    raw_mask = torch.zeros(pool.raw.numel() * 4, dtype=torch.bool)
+    for s, h in due_progs:
+        start = 4 * (pool.base + s * g.slot_stride + h * g.region_words)
+        raw_mask[start:start + g.checkpoint_bytes] = True
+    rb, ra = _bytes(before["raw"].cpu()), _bytes(pool.raw.cpu())
+    changed = (rb != ra) & ~raw_mask
+    assert not changed.any(), f"{int(changed.sum())} bytes of raw outside the due checkpoints changed"
+    row_mask = torch.zeros(g.num_slots, g.heads, dtype=torch.bool)
+    row_mask[slots, heads] = True
+    for name in ("kbuf", "ubuf", "hcnt"):
+        assert torch.equal(_bytes(before[name].cpu()), _bytes(getattr(pool, name).cpu())), f"{name} changed"
+    for name in ("w", "pcum") + (("gbuf",) if pool.gbuf is not None else ()):
+        b, a = before[name].cpu(), getattr(pool, name).cpu()
+        keep = ~row_mask
+        assert torch.equal(_bytes(b[keep]), _bytes(a[keep])), f"{name} of a non-due program changed"
+        # resets of the due programs
+        a_due = a[slots, heads]
+        want_val = 1.0 if (name == "gbuf" or (name == "pcum" and pool.gate == "gdn")) else 0.0
+        assert (a_due == want_val).all(), f"{name} of due programs not reset to {want_val}"
+
+    diff = (got[0].int() - want[0].int()).abs()
+    return {"err": err, "err_ref": err_ref, "code_frac": (diff > 0).float().mean().item(), "code_max": diff.max().item()}
+
+
+def _pool(heads=2, head_k=64, head_v=64, ring=8, rank=2, gate="kda", convention="vllm", iters=1, num_slots=5,
+          seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pool = leapquant.Pool(num_slots, heads, head_k, head_v, ring, rank, gate=gate, convention=convention,
+                          device=DEVICE, iters=iters)
+    _randomise(pool, g)
+    return pool, g
+
+
+# Every supported value of each dimension at least once, kept to a few programs each for the interpreter.
+SHAPES = [
+    # (head_k, head_v, ring, rank, gate, iters)
+    (128, 128, 16, 4, "kda", 1),
+    (128, 128, 16, 4, "gdn", 1),
+    (64, 64, 8, 1, "kda", 1),
+    (64, 64, 32, 3, "gdn", 2),
+    (64, 128, 8, 2, "kda", 2),
+    (128, 64, 32, 1, "gdn", 1),
+    (128, 64, 16, 3, "kda", 1),
+    (64, 128, 16, 4, "gdn", 1),
+]
+
+
+@pytest.mark.parametrize("head_k,head_v,ring,rank,gate,iters", SHAPES,
+                         ids=[f"{g}-K{k}V{v}-L{l}-R{r}-it{i}" for k, v, l, r, g, i in SHAPES])
+def test_shapes_parity_untouched_resets(head_k, head_v, ring, rank, gate, iters):
+    """Rows: a due slot, padding, a slot with a due and a non-due head, a due slot named by no row (untouched)."""
+    pool, g = _pool(heads=2, head_k=head_k, head_v=head_v, ring=ring, rank=rank, gate=gate, iters=iters,
+                    seed=hash((head_k, head_v, ring, rank, gate, iters)) % 1000)
+    for s, h in [(1, 0), (1, 1), (3, 1), (4, 0)]:
+        _fill_program(pool, s, h, g)
+    # slot 4 is due but no row names it; slot 3 head 0 is not due (random hcnt), slot 2 is not due at all
+    stats = _check_flush(pool, idx=[3, 0, 1, 2], due_progs=[(1, 0), (1, 1), (3, 1)])
+    assert stats["code_max"] <= 127
+
+
+@pytest.mark.parametrize("heads", [1, 3])
+@pytest.mark.parametrize("convention", ["vllm", "sglang"])
+def test_heads_and_conventions(heads, convention):
+    """Odd head counts; slot 0 is real only under SGLang, padding is 0 (vLLM) or -1 (SGLang); out-of-range rows
+    are skipped by the kernel itself (flush with check=False does not filter them)."""
+    pool, g = _pool(heads=heads, convention=convention, num_slots=4, seed=heads)
+    progs = [(0, h) for h in range(heads)] + [(2, heads - 1)]
+    for s, h in progs:
+        _fill_program(pool, s, h, g)
+    pad = 0 if convention == "vllm" else -1
+    due = [p for p in progs if p[0] != 0 or convention == "sglang"]
+    _check_flush(pool, idx=[pad, 2, 0 if convention == "sglang" else pad, 4, 2 ** 31 - 1, -7], due_progs=due)
+
+
+def test_zero_state_and_empty_ring():
+    """S = 0 gives all-zero codes, s_k = s_v = EPS and zero factors, the reference's answer."""
+    pool, g = _pool(heads=2, head_k=128, head_v=64, ring=16, rank=3, gate="kda", seed=7)
+    _fill_program(pool, 1, 0, g, zero=True)
+    _fill_program(pool, 1, 1, g)
+    _check_flush(pool, idx=[1], due_progs=[(1, 0), (1, 1)])
+    assert (pool.codes[1, 0] == 0).all()
+    assert (pool.s_k[1, 0] == torch.tensor(EPS, dtype=torch.float32)).all()
+    assert (pool.s_v[1, 0] == torch.tensor(EPS, dtype=torch.float32)).all()
+    assert (pool.uq[1, 0].float() == 0).all()
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("log2_scale", [-40, -20, 14, 40])
+def test_input_domain(gate, log2_scale):
+    """Finite and within the parity bound over 2^-40 <= max|S| <= 2^40 (at 2^40 the factors saturate at 65504)."""
+    pool, g = _pool(heads=2, head_k=64, head_v=128, ring=8, rank=2, gate=gate, seed=40 + log2_scale)
+    for h in range(2):
+        _fill_program(pool, 2, h, g, scale=2.0 ** log2_scale)
+    _check_flush(pool, idx=[2], due_progs=[(2, 0), (2, 1)])
+    if log2_scale == 40:
+        assert (pool.u[2].float().abs() == 65504).any(), "expected saturated factors at 2^40"
+
+
+def test_repeated_flushes_match_reference_backend():
+    """Three flush rounds through the public API with appends in between, against the reference backend on a copy:
+    the per-head state error stays within the bound of the reference's."""
+    g = torch.Generator().manual_seed(11)
+    pools = {b: leapquant.Pool(3, 2, 64, 64, 8, 2, gate="kda", device=DEVICE) for b in ("triton", "reference")}
+    S0 = 0.5 * torch.randn(2, 2, 64, 64, generator=g)
+    for p in pools.values():
+        p.load_states([1, 2], S0)
+    exact = S0.double().clone()
+    for _ in range(3):
+        for _ in range(8):
+            k = torch.nn.functional.normalize(torch.randn(2, 2, 64, generator=g), dim=-1)
+            v = torch.randn(2, 2, 64, generator=g)
+            gt = -0.05 * torch.rand(2, 2, 64, generator=g)
+            beta = torch.rand(2, 2, generator=g)
+            for p in pools.values():
+                p.append([1, 2], k, v, gt, beta)
+        for name, p in pools.items():
+            leapquant.flush(p, torch.tensor([2, 1, 0], dtype=torch.int32, device=DEVICE), backend=name)
+    e = {b: ref.relative_error(p.states([1, 2]).cpu(), pools["reference"].states([1, 2]).cpu()) for b, p in
+         pools.items()}
+    assert (e["triton"] < 0.05).all(), e["triton"]
+    assert (pools["triton"].hcnt[1:] == 8).all()
+
+
+def test_backend_reasons(monkeypatch):
+    """available()/supports() say why not, instead of failing at launch."""
+    ok, why = BACKEND.available()
+    assert ok, why
+    pool = leapquant.Pool(2, 1, 64, 64, 8, 1, device=DEVICE)
+    assert BACKEND.supports(pool)[0]
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        ok, why = BACKEND.supports(pool)
+        assert not ok and "TRITON_INTERPRET" in why
+    assert 75 not in BACKEND.requirements.capabilities and 90 in BACKEND.requirements.capabilities
+    assert os.environ.get("TRITON_INTERPRET") or torch.cuda.is_available()
