@@ -47,6 +47,9 @@ def cmd_info(args) -> int:
         print(f"{b.name:<12} {b.priority:>8}  {status}: {b.reason}")
         if b.description:
             print(f"{'':<22}{b.description}")
+        if b.available:
+            for dev, why in leapquant.get_backend(b.name).not_for_auto.items():
+                print(f"{'':<22}auto skips it on {dev}: {why}")
     return 0
 
 

@@ -34,6 +34,8 @@ class Requirements:
     rings: tuple[int, ...] | None = (16,)
     ranks: tuple[int, ...] | None = (1, 2, 3, 4)
     conventions: tuple[str, ...] = ("vllm", "sglang")
+    # the max|S| the backend is accurate for (SPEC §4: the seed's domain is <= 2^14; reference and Triton 2^+-40)
+    magnitude: tuple[float, float] = (2.0**-40, 2.0**40)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def check(self, pool: "Pool") -> tuple[bool, str]:
@@ -78,6 +80,9 @@ class Backend:
     priority: int = 0
     description: str = ""
     requirements: Requirements = Requirements()
+    # "auto" considers this backend only where this is None; otherwise it says why not (e.g. not yet passing the
+    # parity suite on that device kind); asking for the backend by name still works
+    not_for_auto: dict[str, str] = {}
 
     def available(self) -> tuple[bool, str]:
         """Whether this backend can run on this machine at all, and why not."""
@@ -181,6 +186,8 @@ def choose(pool: "Pool") -> Backend:
             continue
         b = get(info.name)
         ok, why = b.supports(pool)
+        if ok and pool.device.type in b.not_for_auto:
+            ok, why = False, f"not chosen by auto: {b.not_for_auto[pool.device.type]}"
         if ok:
             return b
         reasons.append(f"{info.name}: {why}")

@@ -250,6 +250,22 @@ def test_third_party_backend_registers():
     assert calls == [2]
 
 
+def test_auto_skips_a_backend_marked_not_for_auto():
+    class Eager(leapquant.Backend):
+        name = "not-for-auto-test"
+        priority = 1000
+        requirements = leapquant.Requirements(devices=("cpu",), head_dims=None, rings=None)
+        not_for_auto = {"cpu": "fails the GPU suite"}
+
+        def flush(self, pool, idx):
+            raise AssertionError("auto must not pick this backend")
+
+    leapquant.register(Eager())
+    pool = leapquant.Pool(3, 2)
+    assert leapquant.select(pool, "auto").name != "not-for-auto-test"
+    assert leapquant.select(pool, "not-for-auto-test").name == "not-for-auto-test"
+
+
 def test_custom_op_is_registered_and_checks():
     """A real torch.library op with declared mutations and a fake implementation."""
     op = torch.ops.leapquant.flush.default
