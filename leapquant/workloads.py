@@ -18,6 +18,16 @@ REGIMES = ("gaussian", "lowrank", "large_columns", "realistic", "zero", "tiny", 
 fully decayed gates (checkpoint multiplied by 0, the ring entries' decays 0)."""
 
 
+# the largest |S| a regime produces, roughly (for matching regimes to a backend's claimed domain)
+MAGNITUDE = {"tiny": 2.0**-40, "huge": 2.0**40}
+
+
+def regimes_within(magnitude: tuple[float, float]) -> tuple[str, ...]:
+    """The regimes whose state magnitude lies inside ``magnitude = (lo, hi)`` (the ordinary ones sit near 2^0..2^8)."""
+    lo, hi = magnitude
+    return tuple(r for r in REGIMES if lo <= MAGNITUDE.get(r, 1.0) <= hi and MAGNITUDE.get(r, 256.0) <= hi)
+
+
 def _randn(gen, *shape):
     return torch.randn(*shape, generator=gen, dtype=torch.float32)
 

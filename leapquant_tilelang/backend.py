@@ -33,6 +33,9 @@ class TileLangBackend(Backend):
         head_dims=((128, 128),),
         rings=(16,),
         ranks=(1, 2, 3, 4),
+        # the seed's domain (SPEC §4): fp16 state in shared memory; at 2^24 and above the fp16 copy overflows (NaN
+        # codes) and at 2^-24 and below it flushes to zero (error 1), both measured on the H200
+        magnitude=(2.0**-10, 2.0**14),
         notes=(
             "one CTA per SM scans every due flag: the launch is fixed for a pool and N (graph-capturable)",
             "slots: a CTA's share of all programs must fit its due list (about 8,400 slots of 32 heads on 132 SMs)",

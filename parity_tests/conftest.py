@@ -1,7 +1,9 @@
 """Profiles, devices and backends under test.
 
 Hypothesis profiles: ``ci`` (derandomised; loaded when ``CI`` is set), ``dev`` (quick, the default), ``long``
-(``HYPOTHESIS_PROFILE=long``, for a night run), ``gpu`` (the GPU suite). On a machine without CUDA, Triton kernels run through
+(``HYPOTHESIS_PROFILE=long``, for a night run), ``gpu`` (the GPU suite).
+``LEAPQUANT_TEST_BACKENDS=a,b`` restricts the backend-parametrised tests to those backends (e.g. to check one backend
+on a GPU while another is known broken there); the default is every backend available here.. On a machine without CUDA, Triton kernels run through
 its interpreter: ``TRITON_INTERPRET=1`` is set here before anything imports Triton.
 """
 
@@ -33,8 +35,11 @@ def backends_here(device: str) -> list[str]:
     """Backends that can flush a default pool (32 heads of 128 x 128) on ``device`` here (compiled backends on the
     CPU only through an interpreter)."""
     probe = leapquant.Pool(2, 32, device=device)
+    only = [b for b in os.environ.get("LEAPQUANT_TEST_BACKENDS", "").split(",") if b]
     out = []
     for info in leapquant.backends():
+        if only and info.name not in only:
+            continue
         if info.available and leapquant.get_backend(info.name).supports(probe)[0]:
             out.append(info.name)
     return out
@@ -44,6 +49,11 @@ def pytest_generate_tests(metafunc):
     if "backend_device" in metafunc.fixturenames:
         params = [(b, d) for d in devices() for b in backends_here(d)]
         metafunc.parametrize("backend_device", params, ids=[f"{b}-{d}" for b, d in params])
+
+
+def compute_devices() -> list[str]:
+    """Where compiled kernels run: the GPU if there is one, else the CPU (through the Triton interpreter)."""
+    return ["cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
 def pytest_report_header(config):

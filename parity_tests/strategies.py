@@ -9,7 +9,7 @@ import torch
 from hypothesis import strategies as st
 
 import leapquant
-from leapquant.workloads import REGIMES, fill
+from leapquant.workloads import REGIMES, fill, regimes_within
 
 
 @dataclass
@@ -71,7 +71,9 @@ def default_geometry(backend: str, heads: int = 2) -> dict:
 
 
 @st.composite
-def cases(draw, device="cpu", small=True, regimes=REGIMES, geometry=None, backend="reference"):
+def cases(draw, device="cpu", small=True, regimes=None, geometry=None, backend="reference"):
+    if regimes is None:
+        regimes = regimes_within(leapquant.get_backend(backend).requirements.magnitude)
     g = dict(geometry) if geometry is not None else draw(shapes(backend, small))
     head_k, head_v = g.pop("hk_hv") if "hk_hv" in g else (g.pop("head_k"), g.pop("head_v"))
     return build_case(

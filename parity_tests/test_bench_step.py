@@ -6,13 +6,13 @@ import torch
 
 from bench import step
 
-from .conftest import devices
+from .conftest import compute_devices
 
 # (N rows, HV, K, V, BV): square and non-square heads, a block of rows smaller than, equal to and larger than V
 SHAPES = [(2, 2, 64, 64, 32), (1, 3, 128, 64, 64), (2, 1, 64, 128, 128)]
 
 
-@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("device", compute_devices())
 @pytest.mark.parametrize("N,HV,K,V,BV", SHAPES)
 def test_step_matches_float64(device, N, HV, K, V, BV):
     """New states and outputs within fp32 rounding of float64; a padding row (idx -1) and slots not in idx are
