@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU parity pass in one device call, from the repository root; everything lands in $OUT.
+#
+# Carry `.device` with: the TileLang archive (../shared/tools/pack-tilelang-for-device.sh) and the fla-core wheel
+# (python3 -m pip download --no-deps -d .device/whl fla-core; the simulation test checks against FLA). Stages, each
+# with its own time limit so that one hang cannot eat the call (the device allows 10 minutes a command):
+#   1. the TileLang self-check (about 60 s with its compiles)
+#   2. the parity suite for the backends named in $BACKENDS (default tilelang,reference): the per-regime table,
+#      then pytest within --pytest-budget; writes $OUT/gpu_report.md
+set -o pipefail
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT" /tmp/site
+tar -C /tmp/site -xJf .device/tilelang-site.tar.xz || echo "no TileLang archive: the tilelang backend will be unavailable"
+python3 -m pip install -q --no-index --no-deps --target /tmp/site .device/whl/*.whl 2>/dev/null || true
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv || true
+
+timeout 150 python3 -m leapquant_tilelang.selfcheck > "$OUT/tilelang_selfcheck.log" 2>&1
+echo "selfcheck exit $?"; grep -E "ratio|FAIL|all checks" "$OUT/tilelang_selfcheck.log"
+
+BACKENDS="${BACKENDS:-tilelang,reference}"
+LEAPQUANT_TEST_BACKENDS="$BACKENDS" timeout 400 python3 -m parity_tests.gpu_suite --profile dev --pytest-budget 220 \
+    --out "$OUT" -k "${PYTEST_K:-not tilelang_compile and not triton_portability}" > "$OUT/suite.log" 2>&1
+rc=$?
+echo "gpu_suite exit $rc"
+tail -45 "$OUT/gpu_report.md" 2>/dev/null || tail -30 "$OUT/suite.log"
+exit $rc
