@@ -18,14 +18,16 @@ REGIMES = ("gaussian", "lowrank", "large_columns", "realistic", "zero", "tiny", 
 fully decayed gates (checkpoint multiplied by 0, the ring entries' decays 0)."""
 
 
-# the largest |S| a regime produces, roughly (for matching regimes to a backend's claimed domain)
-MAGNITUDE = {"tiny": 2.0**-40, "huge": 2.0**40}
+# max|S| a regime produces, roughly, as (low, high): the tiny and huge ones sit at the SPEC's domain ends, the others
+# between 2^0 and 2^8 (zero counts with them)
+_MAGNITUDE = {"tiny": (2.0**-40, 2.0**-40), "huge": (2.0**40, 2.0**40)}
+_ORDINARY = (1.0, 256.0)
 
 
 def regimes_within(magnitude: tuple[float, float]) -> tuple[str, ...]:
-    """The regimes whose state magnitude lies inside ``magnitude = (lo, hi)`` (the ordinary ones sit near 2^0..2^8)."""
+    """The regimes whose state magnitude lies inside ``magnitude = (lo, hi)``, a backend's claimed domain."""
     lo, hi = magnitude
-    return tuple(r for r in REGIMES if lo <= MAGNITUDE.get(r, 1.0) <= hi and MAGNITUDE.get(r, 256.0) <= hi)
+    return tuple(r for r in REGIMES if lo <= _MAGNITUDE.get(r, _ORDINARY)[0] and _MAGNITUDE.get(r, _ORDINARY)[1] <= hi)
 
 
 def _randn(gen, *shape):
