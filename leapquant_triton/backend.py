@@ -14,10 +14,11 @@ if TYPE_CHECKING:
     from leapquant.pool import Pool
 
 # Compute capabilities the kernel is claimed for; ``python -m leapquant_triton.portability`` compiles each one ahead
-# of time and fails CI if it does not fit that architecture's registers and shared memory. Not claimed: sm_75 (no tf32
-# tensor cores for the ring product: Triton falls back to FMA dots and spills 1-32 KB), and sm_100, where Triton
-# 3.6's TritonNvidiaGPUOptimizeTMemLayoutsPass fails on this kernel (a compiler crash, every shape).
-SUPPORTED_CAPABILITIES = (80, 86, 89, 90, 120)
+# of time and fails CI if it does not fit that architecture's registers and shared memory. Every target takes the
+# ``mma.sync`` lowering of ``tl.dot`` (kernel.mma_sync_only: Hopper's wgmma path miscompiles this kernel, and
+# Blackwell's tcgen05 path crashes Triton 3.6's TritonNvidiaGPUOptimizeTMemLayoutsPass). Not claimed: sm_75 (no tf32
+# tensor cores for the ring product: Triton falls back to FMA dots and spills 1-32 KB).
+SUPPORTED_CAPABILITIES = (80, 86, 89, 90, 100, 120)
 
 
 def _interpreting() -> bool:
@@ -28,13 +29,13 @@ class TritonBackend(Backend):
     """One Triton program per (row of ``idx``, head): the state is rebuilt, compressed and stored in registers.
 
     Any number of heads; head dims 64 / 128 (K and V independently); ring 8 / 16 / 32; rank 1-4; ITERS 1-2; both
-    gates and both slot conventions. On CUDA sm_80, 86, 89, 90 and 120 (not sm_100: see SUPPORTED_CAPABILITIES); on CPU only under ``TRITON_INTERPRET=1`` (slow: the CI
-    path against the reference).
+    gates and both slot conventions. On CUDA sm_80, 86, 89, 90, 100 and 120 (run on sm_90, compiled ahead of time for
+    the others); on CPU only under ``TRITON_INTERPRET=1`` (slow: the CI path against the reference).
     """
 
     name = "triton"
     priority = 10
-    description = "Triton kernel, one program per (row, head); CUDA sm_80-90, sm_120 (CPU under TRITON_INTERPRET=1)"
+    description = "Triton kernel, one program per (row, head); CUDA sm_80-120 (CPU under TRITON_INTERPRET=1)"
     requirements = Requirements(
         devices=("cuda", "cpu"),
         capabilities=SUPPORTED_CAPABILITIES,
@@ -44,17 +45,11 @@ class TritonBackend(Backend):
         ranks=SUPPORTED_RANKS,
         notes=(
             "sm_75 is not claimed: no tf32 tensor cores for the ring product",
-            "sm_100 is not claimed: Triton 3.6 fails to compile the kernel there (TMEM layout pass)",
             "CPU runs only through the Triton interpreter (TRITON_INTERPRET=1), for tests",
         ),
     )
     max_iters = 2
-    # H200, 2026-11-30 (parity_tests/gpu_report.md): an illegal memory access on GDN pools and graph replay differing
-    # from an eager flush on KDA pools; until the GPU parity suite passes, "auto" does not pick Triton on CUDA
-    not_for_auto = {
-        "cuda": "fails the GPU parity suite on the H200 (issue 4, parity_tests/gpu_report.md)",
-        "cpu": "the interpreter is for tests: hundreds of times slower than the reference",
-    }
+    not_for_auto = {"cpu": "the interpreter is for tests: hundreds of times slower than the reference"}
 
     def available(self) -> tuple[bool, str]:
         try:

@@ -30,6 +30,10 @@ thread each) and hoisted loads more than from the [V, K] tile itself (64 registe
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -241,6 +245,35 @@ def kernel_constants(geometry, convention: str, iters: int) -> dict:
     )
 
 
+_MMA_ENV = ("DISABLE_MMA_V3", "DISABLE_MMA_V5")
+_mma_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def mma_sync_only():
+    """Compile with Triton's ``mma.sync`` lowering of ``tl.dot`` instead of Hopper's ``wgmma`` (sm_90 only; no effect
+    on other architectures).
+
+    Measured on the H200 with Triton 3.6 (parity_tests/gpu_runs/2026-11-30_s2_diag.log): compiled with
+    ``wgmma`` this kernel gives different bytes from run to run, non-finite outputs on ordinary states and illegal
+    memory accesses on GDN pools; with ``mma.sync`` it is deterministic, graph replay equals eager, and every regime
+    passes SPEC §4, at the same speed. Triton has open reports of the same kind for kernels with several ``tl.dot``
+    on sm_90 (triton-lang/triton #10486, #11366). Triton reads the switch from the environment while it compiles and
+    keys its caches on it, so it is set around each launch (a compile happens inside the first one) and restored.
+    """
+    with _mma_lock:
+        old = {k: os.environ.get(k) for k in _MMA_ENV}
+        os.environ.update({k: "1" for k in _MMA_ENV})
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+
+
 def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None) -> None:
     """Launch the flush over ``idx`` (int32 ``[N]``) on ``pool`` in place: grid ``(N, HV)``, no host synchronisation,
     the same launch for the same pool and ``N``."""
@@ -249,22 +282,23 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None) -> None:
     if N == 0:
         return
     gbuf = pool.gbuf if pool.gbuf is not None else pool.w  # GDN never reads it
-    leapquant_flush_kernel[(N, g.heads)](
-        idx=idx,
-        hcnt=pool.hcnt,
-        codes=pool.codes,
-        skv=pool.s_kv,
-        uq=pool.uq,
-        kbuf=pool.kbuf,
-        ubuf=pool.ubuf,
-        w=pool.w,
-        pcum=pool.pcum,
-        gbuf=gbuf,
-        q0=pool.q0,
-        NS=g.num_slots,
-        HV=g.heads,
-        SS=g.slot_stride,
-        **kernel_constants(g, pool.convention, pool.iters),
-        num_warps=num_warps or num_warps_for(g.head_k, g.head_v),
-        num_stages=1,
-    )
+    with mma_sync_only():
+        leapquant_flush_kernel[(N, g.heads)](
+            idx=idx,
+            hcnt=pool.hcnt,
+            codes=pool.codes,
+            skv=pool.s_kv,
+            uq=pool.uq,
+            kbuf=pool.kbuf,
+            ubuf=pool.ubuf,
+            w=pool.w,
+            pcum=pool.pcum,
+            gbuf=gbuf,
+            q0=pool.q0,
+            NS=g.num_slots,
+            HV=g.heads,
+            SS=g.slot_stride,
+            **kernel_constants(g, pool.convention, pool.iters),
+            num_warps=num_warps or num_warps_for(g.head_k, g.head_v),
+            num_stages=1,
+        )

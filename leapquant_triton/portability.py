@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from leapquant.pool import Geometry
 
 from .backend import SUPPORTED_CAPABILITIES
-from .kernel import kernel_constants, leapquant_flush_kernel, num_warps_for
+from .kernel import kernel_constants, leapquant_flush_kernel, mma_sync_only, num_warps_for
 
 # shared memory per block (opt-in maximum), bytes, from the CUDA programming guide's table of compute capabilities
 SMEM_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
@@ -125,7 +125,9 @@ def compile_one(arch: int, shape: Shape, num_warps: int | None = None, maxnreg: 
     rep = Report(arch, shape, nw, ok=False)
     try:
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-        ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": nw, "num_stages": 1, **({"maxnreg": maxnreg} if maxnreg else {})})
+        with mma_sync_only():  # the build the backend launches (see flush_pool)
+            ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                                options={"num_warps": nw, "num_stages": 1, **({"maxnreg": maxnreg} if maxnreg else {})})
         regs, spills, static_smem = _ptxas_usage(ck.asm["ptx"], arch)
     except Exception as e:  # a compile failure is a result of this check, reported per target
         rep.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
