@@ -10,11 +10,16 @@ Numerics (the seed's deployed configuration, SPEC §3 last paragraph):
 
 * ``B`` = the rebuilt state minus the old rank-R part, kept fp16 in shared memory for the subspace products (fp16
   mma, fp32 accumulate); the old rank-R part is carried algebraically through small ``R x R`` corrections.
-* The ring is exact: bf16 values times decayed keys split into bf16 hi + lo (KDA), or w-scaled values split into
-  bf16 hi + lo (GDN).
+* The ring: bf16 values times decayed keys split into bf16 hi + lo (KDA), or w-scaled values split into bf16 hi + lo
+  (GDN): 16 bits of each product, the seed's choice.
 * KDA takes the ``KEXACT`` residual: ``E`` is accumulated in fp32 from the stage (second dequantisation, ring mma,
   both rank-R products), then stored fp16 with a power-of-two scale per (warp, half). GDN takes the plain residual
   from the fp16 ``B`` (SPEC §7).
+* Departure from the seed: KDA's residual adds a third bf16 piece of the decayed keys (lo2), so that its ring term is
+  the fp32 product. With hi + lo only, the ring's rounding (2^-17 relative) is the whole error of a state the rank-R
+  part captures exactly (fully decayed gates leave a rank-1 state): measured on the H200 2.2x the reference's error
+  there, 2.4e-6 against 1.2e-6, past SPEC §4's 1.02 x + 1e-6 (parity_tests/gpu_runs/2026-11-30_s2_diag.log). The
+  subspace iteration's rebuild keeps hi + lo: it feeds fp16 products.
 
 Register legend of a consumer thread (mma.sync m16n8k16 fragment terms):
 ``g`` consumer group (= its stage: one stage per group), ``t`` thread in the group (a row v or a column c, by phase),
@@ -109,6 +114,9 @@ def flush_kernel(
     KP = K + 8
     KV8 = K + V + 8  # newf_shared row stride (halfwords): 528 B -> conflict-free ldmatrix rows
     P16OFF = 4 * KV8  # fp16 P tile (K x 8) at halfword offset 4 rows into newf_shared (after the fp32 Q plane)
+    # KDA: the lo2 tile of the decayed keys sits in state_shared rows LO2_ROW.., columns 64.. during the residual, where
+    # only the last warp's E half 1 lands (after a barrier)
+    LO2_ROW = V - 2 * L
     N = T.dynamic("N")
 
     def due_flag(step, row, slot, fill, steps):
@@ -229,11 +237,13 @@ def flush_kernel(
                 T.tma_copy(pcum[slot, hv, :], pcum_shared[s, :], barrier=loaded[s])
             T.mbarrier_arrive(loaded[s])
 
-    # ---- KDA pre-pass, thread per key column c = t: decayed keys w_j k_j d_j as bf16 hi (over the keys) + lo (over
-    # the decay factors); pc = exp(pcum) to decay_shared; pc U_old^T as fp16 into the factor stage's rows R..2R-1 ----
+    # ---- KDA pre-pass, thread per key column c = t: decayed keys kd = w_j k_j d_j as bf16 hi (over the keys) + lo
+    # (over the decay factors) + lo2 (registers of this thread, 16 bits of kd beyond hi + lo: with it the pieces
+    # sum to the fp32 kd exactly); pc = exp(pcum) to decay_shared; pc U_old^T as fp16 into the factor stage's rows
+    # R..2R-1 ----
     @T.macro
     def decay_ring_keys(s, g, t, bar, keys_shared, keys_lo_shared, weights_shared, factors_shared, pcum_shared,
-                        decay_shared):
+                        decay_shared, lo2):
         decay = T.alloc_local((L,), F32)  # this column's per-entry decay factors
         dcur = T.alloc_local((1,), F32)
         pcc = T.exp(pcum_shared[s, t])
@@ -246,8 +256,11 @@ def flush_kernel(
             j = L - 1 - jj
             kd = T.cast(keys_shared[s, t // (K // 2), j, t % (K // 2)], F32) * (weights_shared[s, j] * dcur[0])
             khi = T.cast(kd, BF16)
+            klo = T.cast(kd - T.cast(khi, F32), BF16)
             keys_shared[s, t // (K // 2), j, t % (K // 2)] = khi
-            keys_lo_shared[s, t // (K // 2), j, t % (K // 2)] = T.cast(kd - T.cast(khi, F32), BF16)
+            keys_lo_shared[s, t // (K // 2), j, t % (K // 2)] = klo
+            # kd - hi and (kd - hi) - lo are exact in fp32 (each piece is kd's leading bits, rounded)
+            lo2[j] = T.cast(kd - T.cast(khi, F32) - T.cast(klo, F32), BF16)
             dcur[0] = dcur[0] * decay[j]
         # pc U^T in fp16 (2^-11 of the rank-R term: only the subspace iteration reads it, measured irrelevant next to
         # the int8 residual); the residual uses the unscaled rows 0..R-1
@@ -302,9 +315,11 @@ def flush_kernel(
                         cfrag[(ntl * 4 + rr) * 2 + c1] = x * row_scale[rr] * col_scale[ntl * 2 + c1]
 
     # ---- the ring's product into the accumulator half h: cfrag += U_ring^T-fragments x decayed keys (B[k = j][n = c]
-    # from the key tiles, ldmatrix.x4.trans; KDA: hi and lo key tiles, GDN: hi and lo value fragments) ----
+    # from the key tiles, ldmatrix.x4.trans; KDA: hi and lo key tiles, GDN: hi and lo value fragments). KDA's
+    # residual (``g >= 0``) adds the lo2 tile, which store_factors parks in the dead B area of state_shared: rows
+    # LO2_ROW + 16 (c // 64) + j, columns 64 + c % 64 (272 B row stride: conflict-free ldmatrix rows) ----
     @T.macro
-    def ring_product_half(h, s, lane, keys_shared, keys_lo_shared, afrag, bfrag, cfrag):
+    def ring_product_half(h, s, lane, keys_shared, keys_lo_shared, afrag, bfrag, cfrag, g=-1, state_shared=None):
         for npl in T.unroll(4):
             n0 = (h * 4 + npl) * 16
             bo = (npl % 2) * (16 if KDA else 8)  # alternating fragment registers per unrolled step
@@ -329,6 +344,19 @@ def flush_kernel(
                                   bfrag.data, bo + nn * 4, cfrag.data, acc, T.bool(False))
                         T.ptx_mma(F32, "m16n8k16", "row", "col", "bf16", "bf16", "fp32", afrag.data, mt * 16 + 8,
                                   bfrag.data, bo + nn * 4, cfrag.data, acc, T.bool(False))
+        if KDA and state_shared is not None:
+            for npl in T.unroll(4):
+                n0 = (h * 4 + npl) * 16
+                bo = (npl % 2) * 16
+                T.ptx_ldmatrix(T.bool(True), 4, T.access_ptr(
+                    state_shared[g, LO2_ROW + 16 * (n0 // 64) + (lane % 8) + 8 * ((lane // 8) % 2),
+                                 64 + n0 % 64 + 8 * (lane // 16)], "r", extent=8),
+                    T.access_ptr(bfrag[bo], "w", extent=8))
+                for mt in T.unroll(2):
+                    for nn in T.unroll(2):
+                        T.ptx_mma(F32, "m16n8k16", "row", "col", "bf16", "bf16", "fp32", afrag.data, mt * 8,
+                                  bfrag.data, bo + nn * 4, cfrag.data, ((npl * 2 + nn) * 4 + mt * 2) * 2,
+                                  T.bool(False))
 
     # ---- accumulator half h -> state_shared as fp16 (stmatrix.x4: matrices (ntl, rows 0-7), (ntl, rows 8-15),
     # (ntl + 1, rows 0-7), (ntl + 1, rows 8-15) of m-tile mt; one F2FP.PACK per pair) ----
@@ -502,7 +530,7 @@ def flush_kernel(
     # ---- the new fp16 factors to the pool (U^T[r][c] = P16[c][r], Q^T[r][v] = Q16[v][r]; thread t = c = v) and,
     # after a barrier, -U^T over the P / Q planes as the residual mma's B operand (rows R..7 zero) ----
     @T.macro
-    def store_factors(slot, hv, g, t, bar, uq, newf_shared, newf_flat, state_shared):
+    def store_factors(slot, hv, g, t, bar, uq, newf_shared, newf_flat, state_shared, lo2):
         uh = T.alloc_local((4,), F16)
         qh = T.alloc_local((4,), F16)
         for r in T.unroll(R):
@@ -515,6 +543,9 @@ def flush_kernel(
             newf_shared[g, r, t] = -uh[r]  # the residual mma accumulates the subtraction
         for r in T.unroll(8 - R):
             newf_shared[g, R + r, t] = T.cast(0.0, F16)
+        if KDA:  # column t of the lo2 tile into the dead B area (see ring_product_half), for the residual
+            for j in T.unroll(L):
+                state_shared[g, LO2_ROW + 16 * (t // 64) + j, 64 + t % 64] = T.reinterpret(lo2[j], F16)
         T.sync_threads(bar, GROUP_THREADS)
 
     # ---- the residual's half h into cfrag (SPEC §3.7, rows of this warp, columns 64 h ..):
@@ -562,7 +593,7 @@ def flush_kernel(
                 for mr in T.unroll(4):
                     for c1 in T.unroll(2):
                         cfrag[(nt * 4 + mr) * 2 + c1] = cfrag[(nt * 4 + mr) * 2 + c1] * pcl[nt * 2 + c1]
-            ring_product_half(h, s, lane, keys_shared, keys_lo_shared, afrag, bfrag, cfrag)
+            ring_product_half(h, s, lane, keys_shared, keys_lo_shared, afrag, bfrag, cfrag, g, state_shared)
         else:
             for i in T.unroll(64):
                 cfrag[i] = cfrag[i] * pn
@@ -789,6 +820,7 @@ def flush_kernel(
                 mm = T.alloc_local((8,), F32)  # the correction matrix shuffled to every lane
                 colp = T.alloc_local((32,), F32)  # column partials of |E| (16 n-tiles x 2 columns of this lane)
                 esc = T.alloc_local((2,), F32)  # KEXACT: per-half inverse E scale of this warp's rows
+                lo2 = T.alloc_local((L if KDA else 1,), BF16)  # KDA: third piece of this column's decayed keys
                 for i in T.unroll(8):
                     aone[i] = T.cast(1.0, F16)
                 for i in T.unroll(2):  # register pairs 1 and 3 of the old-factor fragments (m-rows 8..15) stay zero
@@ -809,7 +841,7 @@ def flush_kernel(
                     # rebuild (SPEC §3.1-4): B = state minus the old rank-R part, fp16 into state_shared
                     if KDA:
                         decay_ring_keys(s, g, t, bar, keys_shared, keys_lo_shared, weights_shared, factors_shared,
-                                        pcum_shared, decay_shared)
+                                        pcum_shared, decay_shared, lo2)
                         for i in T.unroll(4):
                             row_scale[i] = scales_shared[s, K + wp * 32 + (i // 2) * 16 + (i % 2) * 8 + lane // 4] \
                                 * (1.0 / QMAX)
@@ -847,7 +879,7 @@ def flush_kernel(
                             product_q(pn, s, g, wp, lane, r0, q4, bar, state_shared, factors_shared, newf_flat,
                                       qrows_shared, ah, bh2, ao, c32, mc, mm)
                             cholesky_qr2(g, t, wp, lane, bar, qrows_shared, colsum_shared, state_shared)
-                    store_factors(slot, hv, g, t, bar, uq, newf_shared, newf_flat, state_shared)
+                    store_factors(slot, hv, g, t, bar, uq, newf_shared, newf_flat, state_shared, lo2)
                     # residual (SPEC §3.7) in two halves, E over B in state_shared, |E| column partials
                     for mt in T.unroll(2):
                         # A[m = v][k = r] = Q_old^T[r][v]: x2.trans -> (m 0-7), (m 8-15) of k-rows 0-7
@@ -870,6 +902,8 @@ def flush_kernel(
                                       row_scale, col_scale, afrag, afrag2, afrag3, bfrag, bfr, cfrag)
                         if KEX:
                             scale_residual_half(h, cfrag, esc)
+                        if KDA and h == 1:
+                            T.sync_threads(bar, GROUP_THREADS)  # every warp has read the lo2 tile that E half 1 covers
                         store_half(h, g, wp, lane, cfrag, state_shared)
                         column_sums_half(h, g, wp, lane, state_shared, aone, bh2, cfrag, esc, colp)
                     # the residual mma operands (newf_shared, the factor stage) are consumed: the partials may take the
