@@ -19,6 +19,11 @@ BACKEND_PER_PROGRAM = 1.02  # err_backend <= 1.02 err_ref + 1e-6 (SPEC §4)
 BACKEND_RMS = 1.003  # root-mean-square of err_backend / err_ref over a batch
 REF_VS_F64 = 1.005  # err_ref32 <= 1.005 err_ref64 + 1e-6
 ABS_SLACK = 1e-6
+# The batch RMS counts programs whose reference error is at least 10x the absolute term of the per-program bound.
+# Below it the state is compressed exactly up to fp32 rounding (S = 0, or a fully decayed KDA head: rank 1), both
+# errors are rounding noise of ~1e-6, and their ratio measures that noise, not accuracy: the fp32 reference against
+# float64 itself reaches 1.14 there. Such programs are held to the per-program bound, whose 1e-6 term is for them.
+RMS_MIN_ERR = 10 * ABS_SLACK
 
 
 @dataclass
@@ -50,8 +55,15 @@ class Parity:
         """err_ref32 / err_ref64 per program."""
         return self._ratio(self.err_ref, self.err_f64)
 
+    @property
+    def rms_counted(self) -> torch.Tensor:
+        """The programs the batch RMS counts (err_ref >= RMS_MIN_ERR)."""
+        return self.err_ref >= RMS_MIN_ERR
+
     def rms_ratio(self) -> float:
-        return float(self.ratio.pow(2).mean().sqrt()) if self.count else 1.0
+        """Root-mean-square of err_backend / err_ref over the counted programs (1 if none is counted)."""
+        r = self.ratio[self.rms_counted]
+        return float(r.pow(2).mean().sqrt()) if r.numel() else 1.0
 
     def backend_ok(self) -> bool:
         per = bool((self.err_backend <= BACKEND_PER_PROGRAM * self.err_ref + ABS_SLACK).all())
@@ -83,6 +95,7 @@ class Parity:
             "ratio_mean": float(r.mean()) if self.count else 1.0,
             "ratio_worst": float(r.max()) if self.count else 1.0,
             "ratio_rms": self.rms_ratio(),
+            "rms_programs": int(self.rms_counted.sum()),
             "ref_vs_f64_mean": float(rr.mean()) if self.count else 1.0,
             "ref_vs_f64_worst": float(rr.max()) if self.count else 1.0,
             "err_ref_mean": float(self.err_ref.mean()) if self.count else 0.0,

@@ -128,6 +128,26 @@ def test_reference_batch_per_regime(regime, gate):
         assert float(p.err_ref.max()) < 0.05, p.summary()
 
 
+def test_parity_criteria_per_program_and_batch():
+    """The SPEC §4 judgement itself: the per-program bound with its absolute term, and the batch RMS over the programs
+    above the fp32 noise floor (an exactly compressed state's ratio is rounding noise and is not counted)."""
+    f64 = lambda *x: torch.tensor(x, dtype=torch.float64)  # noqa: E731
+    err_ref = f64(4e-3, 5e-3, 1.2e-6, 0.0)
+    p = parity.Parity(f64(4.004e-3, 5.0e-3, 2.0e-6, 0.0), err_ref, err_ref, 0.0, 0, True)
+    assert p.backend_ok()
+    assert p.rms_counted.tolist() == [True, True, False, False]
+    assert p.rms_ratio() == pytest.approx(((1.001**2 + 1.0) / 2) ** 0.5)
+    # past 1.02 x + 1e-6 on the noise-floor program: fails per program although the RMS does not see it
+    p = parity.Parity(f64(4.004e-3, 5.0e-3, 2.5e-6, 0.0), err_ref, err_ref, 0.0, 0, True)
+    assert not p.backend_ok() and "1 programs over 1.02x" in p.failures()[0]
+    # a systematic 0.5 % excess over counted programs fails the batch bound while each program passes its own
+    p = parity.Parity(f64(4.02e-3, 5.025e-3, 1.2e-6, 0.0), err_ref, err_ref, 0.0, 0, True)
+    assert p.backend_ok() and p.rms_ratio() > parity.BACKEND_RMS
+    # a backend error where the reference has none is an infinite ratio and fails both
+    p = parity.Parity(f64(4e-3, 5e-3, 1.2e-6, 2e-6), err_ref, err_ref, 0.0, 0, True)
+    assert not p.backend_ok()
+
+
 def test_iters_two_is_no_worse_on_lowrank():
     gen = torch.Generator().manual_seed(5)
     S = torch.tensor(0)
