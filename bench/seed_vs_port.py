@@ -5,7 +5,11 @@
 ``PATH`` is the seed (``../shared/seeds/leapquant_kda_flush_tilelang_seed.reindented.py``); on the device machine
 copy it into a carried, git-ignored folder first (``.device/``), since ``../shared`` does not travel. Both kernels
 flush byte-identical copies of one KDA pool (the layouts are the same, SPEC §2), 256 rows x 32 heads, all due and
-1/16 due; each time is the median of 25 CUDA-graph replays with the rings restored and L2 evicted before each.
+1/16 due. Two timing methods, each a median of CUDA-graph replays with the rings restored before each:
+
+* ``sync``: 25 replays, 256 MiB of scratch zeroed before each, the host waiting for every replay;
+* ``bench``: ``bench.timing.time_replays``, the benchmark's own method (scratch written, then 128 MiB of clean data
+  read, replays queued without host synchronisation).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import leapquant
 from leapquant.workloads import fill
 
 from .flush import program_bytes
-from .timing import copy_bandwidth
+from .timing import copy_bandwidth, time_replays
 
 
 def _load_seed(path: str):
@@ -50,6 +54,23 @@ def _replay_median(fn, rings, scratch, reps: int = 25) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _bench_median(fn, rings) -> float:
+    saved = [(t, t.clone()) for t in rings]
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+
+    def restore():
+        for t, s in saved:
+            t.copy_(s)
+
+    tm = time_replays(graph.replay, restore, torch.device("cuda"), budget_s=2.0, min_reps=50, max_reps=200)
+    restore()
+    return tm.median * 1e6
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seed-file", required=True)
@@ -74,14 +95,18 @@ def main(argv=None) -> int:
         mine.hcnt[1:257] = hcnt
         theirs.hcnt[1:257] = hcnt
         floor = int(due.sum()) * per_program / bw * 1e6
-        t_seed = _replay_median(lambda: seed.flush_inplace(theirs, idx, mine.q0),
-                                (theirs.w, theirs.pcum, theirs.gbuf), scratch)
-        t_port = _replay_median(lambda: leapquant.flush(mine, idx, backend="tilelang", check=False),
-                                (mine.w, mine.pcum, mine.gbuf), scratch)
-        t_seed2 = _replay_median(lambda: seed.flush_inplace(theirs, idx, mine.q0),
-                                 (theirs.w, theirs.pcum, theirs.gbuf), scratch)
-        print(f"seed-vs-port due={int(due.sum())} frac={frac:.4f}: seed {t_seed:.1f} / {t_seed2:.1f} us, "
+        run_seed = lambda: seed.flush_inplace(theirs, idx, mine.q0)  # noqa: E731
+        run_port = lambda: leapquant.flush(mine, idx, backend="tilelang", check=False)  # noqa: E731
+        rings_seed, rings_port = (theirs.w, theirs.pcum, theirs.gbuf), (mine.w, mine.pcum, mine.gbuf)
+        t_seed = _replay_median(run_seed, rings_seed, scratch)
+        t_port = _replay_median(run_port, rings_port, scratch)
+        t_seed2 = _replay_median(run_seed, rings_seed, scratch)
+        print(f"seed-vs-port sync  due={int(due.sum())} frac={frac:.4f}: seed {t_seed:.1f} / {t_seed2:.1f} us, "
               f"port {t_port:.1f} us, floor {floor:.1f} us", flush=True)
+        b_seed, b_port, b_seed2 = (_bench_median(run_seed, rings_seed), _bench_median(run_port, rings_port),
+                                   _bench_median(run_seed, rings_seed))
+        print(f"seed-vs-port bench due={int(due.sum())} frac={frac:.4f}: seed {b_seed:.1f} / {b_seed2:.1f} us, "
+              f"port {b_port:.1f} us, floor {floor:.1f} us", flush=True)
     return 0
 
 
