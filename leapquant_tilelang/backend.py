@@ -23,7 +23,8 @@ class TileLangBackend(Backend):
     priority = 20
     description = (
         "TileLang, warp-specialised: one persistent CTA per SM, TMA producer warp + 3 consumer groups, mma.sync "
-        "tensor-core products, the seed's numerics (sm_90 / sm_100; 32 heads, head dims 128, ring 16)"
+        "tensor-core products, the seed's numerics with an exact ring term in KDA's residual (sm_90 / sm_100; 32 "
+        "heads, head dims 128, ring 16)"
     )
     requirements = Requirements(
         devices=("cuda",),

@@ -22,10 +22,10 @@ Precision of each product (SPEC §4 asks for <= 1.02 x the fp32 reference's erro
     q16 u16^T  tl.dot fp16 x fp16 -> fp32: exact products of the stored factors, R <= 4 terms
     Gram, Cholesky, triangular solve: fp32 in registers, masked sums over [V, BR] and [BR, BR] tiles
 
-Resources (``python -m leapquant_triton.portability``): at 128 x 128 with 8 warps the kernel takes all 255 registers
-(so one program per SM at a time on sm_90), about 36 KiB of shared memory, no spills. Ablations (compiling with parts
-removed) suggest the pressure comes from k-indexed vectors in the wgmma accumulator layout (32 distinct columns per
-thread each) and hoisted loads more than from the [V, K] tile itself (64 registers).
+Every ``tl.dot`` is compiled to ``mma.sync`` (:func:`mma_sync_only`; Hopper's ``wgmma`` build of this kernel is
+wrong on the H200). Resources (``python -m leapquant_triton.portability``): at 128 x 128 with 8 warps the kernel takes
+all 255 registers (one program per SM at a time), 40 KiB (KDA) / 64 KiB (GDN) of shared memory, no spills. Where the
+time goes (one program's latency, ~60 us on the H200) is in bench/NOTES.md.
 """
 
 from __future__ import annotations

@@ -258,3 +258,19 @@ def test_backend_reasons(monkeypatch):
         assert not ok and "TRITON_INTERPRET" in why
     assert 75 not in BACKEND.requirements.capabilities and 90 in BACKEND.requirements.capabilities
     assert os.environ.get("TRITON_INTERPRET") or torch.cuda.is_available()
+
+
+def test_mma_sync_switch_is_scoped(monkeypatch):
+    """The wgmma / tcgen05 switches are set while a launch compiles and put back as they were afterwards, also after
+    an exception, so other Triton code in the engine's process keeps its own lowering."""
+    from leapquant_triton.kernel import mma_sync_only
+
+    monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
+    monkeypatch.setenv("DISABLE_MMA_V5", "0")
+    with mma_sync_only():
+        assert os.environ["DISABLE_MMA_V3"] == "1" and os.environ["DISABLE_MMA_V5"] == "1"
+    assert "DISABLE_MMA_V3" not in os.environ and os.environ["DISABLE_MMA_V5"] == "0"
+    with pytest.raises(RuntimeError):
+        with mma_sync_only():
+            raise RuntimeError("launch failed")
+    assert "DISABLE_MMA_V3" not in os.environ and os.environ["DISABLE_MMA_V5"] == "0"
