@@ -33,28 +33,8 @@ def _load_seed(path: str):
     return mod
 
 
-def _replay_median(fn, rings, scratch, reps: int = 25) -> float:
-    saved = [(t, t.clone()) for t in rings]
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps):
-        for t, s in saved:
-            t.copy_(s)
-        scratch.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def _bench_median(fn, rings) -> float:
+def _captured(fn, rings):
+    """``fn`` run once, then captured in a CUDA graph; and the step that restores ``rings`` to their values now."""
     saved = [(t, t.clone()) for t in rings]
     fn()
     torch.cuda.synchronize()
@@ -66,6 +46,28 @@ def _bench_median(fn, rings) -> float:
         for t, s in saved:
             t.copy_(s)
 
+    return graph, restore
+
+
+def _replay_median(fn, rings, scratch, reps: int = 25) -> float:
+    """The sync method: scratch zeroed, then one replay timed by events, the host waiting for it; median in us."""
+    graph, restore = _captured(fn, rings)
+    times = []
+    for _ in range(reps):
+        restore()
+        scratch.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def _bench_median(fn, rings) -> float:
+    """The benchmark's method (bench.timing.time_replays); median in us."""
+    graph, restore = _captured(fn, rings)
     tm = time_replays(graph.replay, restore, torch.device("cuda"), budget_s=2.0, min_reps=50, max_reps=200)
     restore()
     return tm.median * 1e6
