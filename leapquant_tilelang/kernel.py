@@ -126,6 +126,15 @@ def flush_kernel(
 
     # ---- compaction: every CTA ranks all due programs the same way and keeps those of rank == bid (mod SMS) ----
     @T.macro
+    def load_tail(ck, wid, wlane, idx, hcnt, sl8, hc8):
+        """Slots and fill counts of the warp's n-steps KMAX + 8 ck .. KMAX + 8 ck + 7 (batches past KMAX * NWARPS
+        rows), clamped like the register steps."""
+        for j in T.unroll(8):
+            sl8[j] = idx[T.max(T.min(wid + NWARPS * (KMAX + ck * 8 + j), N - 1), 0)]
+        for j in T.unroll(8):
+            hc8[j] = hcnt[T.min(T.max(sl8[j], 0), NS - 1), wlane]
+
+    @T.macro
     def compact_due(idx, hcnt, bid, tx, due_list, due_count, warp_due):
         # Warp wid takes the batch rows n = wid, wid + NWARPS, ..., lane hv the head: one broadcast idx load and one
         # coalesced 128 B hcnt load per n (an uncoalesced gather costs 32 L1 lookups per warp-load and was 8x slower).
@@ -154,10 +163,7 @@ def flush_kernel(
         hc8 = T.alloc_local((8,), I32)
         # the tail (N > KMAX * NWARPS only): serial chunks of 8 n-steps, flags recomputed in the rank pass
         for ck in T.serial(T.ceildiv(kn[0] - KMAX, 8)):
-            for j in T.unroll(8):
-                sl8[j] = idx[T.max(T.min(wid + NWARPS * (KMAX + ck * 8 + j), N - 1), 0)]
-            for j in T.unroll(8):
-                hc8[j] = hcnt[T.min(T.max(sl8[j], 0), NS - 1), wlane]
+            load_tail(ck, wid, wlane, idx, hcnt, sl8, hc8)
             for j in T.unroll(8):
                 k = KMAX + ck * 8 + j
                 f = due_flag(k, wid + NWARPS * k, sl8[j], hc8[j], kn[0])
@@ -193,10 +199,7 @@ def flush_kernel(
                     rst[0] += sms
                     rst[1] += 1
             for ck in T.serial(T.ceildiv(kn[0] - KMAX, 8)):
-                for j in T.unroll(8):
-                    sl8[j] = idx[T.max(T.min(wid + NWARPS * (KMAX + ck * 8 + j), N - 1), 0)]
-                for j in T.unroll(8):
-                    hc8[j] = hcnt[T.min(T.max(sl8[j], 0), NS - 1), wlane]
+                load_tail(ck, wid, wlane, idx, hcnt, sl8, hc8)
                 for j in T.unroll(8):
                     k = KMAX + ck * 8 + j
                     f = due_flag(k, wid + NWARPS * k, sl8[j], hc8[j], kn[0])

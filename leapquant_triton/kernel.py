@@ -80,7 +80,7 @@ def _cholqr(b_y, R: tl.constexpr, BR: tl.constexpr):
     b_l = tl.zeros([BR, BR], dtype=tl.float32)
     for i in tl.static_range(R):
         b_gcol = _column(b_g, i, BR)  # G[:, i]
-        b_lrow = tl.sum(tl.where(o_r[:, None] == i, b_l, 0.0), axis=0)  # L[i, :i]
+        b_lrow = _row(b_l, i, BR)  # L[i, :i]
         b_c = b_gcol - tl.sum(b_l * b_lrow[None, :], axis=1)  # G[:, i] - sum_{j<i} L[:, j] L[i, j]
         g_ii = tl.sum(tl.where(o_r == i, b_gcol, 0.0))
         c_ii = tl.sum(tl.where(o_r == i, b_c, 0.0))
@@ -90,7 +90,7 @@ def _cholqr(b_y, R: tl.constexpr, BR: tl.constexpr):
     # forward substitution Q L^T = Y, column by column; columns >= i of b_q are still zero
     b_q = tl.zeros_like(b_y)
     for i in tl.static_range(R):
-        b_lrow = tl.sum(tl.where(o_r[:, None] == i, b_l, 0.0), axis=0)  # L[i, :]
+        b_lrow = _row(b_l, i, BR)  # L[i, :]
         l_ii = tl.sum(tl.where(o_r == i, b_lrow, 0.0))
         b_qi = _column(b_y, i, BR) - tl.sum(b_q * b_lrow[None, :], axis=1)  # [V]
         b_qi = tl.math.div_rn(b_qi, tl.zeros_like(b_qi) + l_ii)
