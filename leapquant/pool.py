@@ -297,6 +297,17 @@ class Pool:
         self.w[s] = torch.where(entry, beta[..., None], w)
         self.hcnt[s] = (j + 1).to(torch.int32)
 
+    def checkpoint_mask(self, slots: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+        """bool over ``raw``'s bytes, on the pool's device: True on the checkpoint bytes of the programs
+        ``(slots[i], heads[i])``, the only bytes of ``raw`` a flush of those programs may write (SPEC §2)."""
+        g = self.geometry
+        mask = torch.zeros(self.raw.numel() * 4, dtype=torch.bool, device=self.device)
+        starts = 4 * (self.base + slots.long().to(self.device) * g.slot_stride
+                      + heads.long().to(self.device) * g.region_words)
+        span = torch.arange(g.checkpoint_bytes, device=self.device)
+        mask[(starts[:, None] + span[None, :]).reshape(-1)] = True
+        return mask
+
     def due(self, idx: torch.Tensor) -> torch.Tensor:
         """``[N, HV]`` bool: which programs a flush over ``idx`` would take (SPEC §2 due rule)."""
         idx = idx.to(self.device).long()

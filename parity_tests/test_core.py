@@ -48,6 +48,23 @@ def test_layout_is_byte_exact(heads, K, V, L, R):
     assert pool.raw.numel() == 3 * (heads + 1) * V * K + BASE_WORDS
 
 
+def test_checkpoint_mask_covers_exactly_the_checkpoint_views():
+    """Pool.checkpoint_mask (what the untouched-bytes checks allow a flush to write) against the views: the bytes that
+    change when every checkpoint view of the chosen programs is written are exactly the masked ones."""
+    pool = leapquant.Pool(4, 3, 64, 128, 8, 3, gate="kda")
+    slots, heads = torch.tensor([1, 3, 3]), torch.tensor([2, 0, 2])
+    before = pool.raw.clone()
+    for name in ("codes", "s_k", "s_v", "uq"):
+        getattr(pool, name)[slots, heads] = 1
+    changed = before.view(torch.uint8) != pool.raw.view(torch.uint8)
+    mask = pool.checkpoint_mask(slots, heads)
+    assert not (changed & ~mask).any()
+    # every masked byte belongs to a view that was written (int8 1 and fp16/fp32 1.0 each set some byte per element)
+    per_program = mask.view(-1).nonzero().numel() // 3
+    assert per_program == pool.geometry.checkpoint_bytes == 64 * 128 + 4 * 64 + 4 * 128 + 2 * 3 * (64 + 128)
+    assert int(changed.sum()) >= 3 * 64 * 128  # the codes alone
+
+
 def test_start_matrix():
     q = leapquant.start_matrix(128, 4)
     assert q.dtype == torch.float32 and q.shape == (128, 4)

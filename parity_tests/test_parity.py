@@ -29,15 +29,11 @@ def snapshot(pool):
 
 def writable_masks(pool, idx, due):
     """What a flush may write: the checkpoint bytes of due regions, and their rows of w / pcum / gbuf."""
-    g = pool.geometry
-    raw = torch.zeros(pool.raw.numel() * 4, dtype=torch.bool)
-    rows = torch.zeros(g.num_slots, g.heads, dtype=torch.bool)
-    for n, h in due.nonzero().tolist():
-        s = int(idx[n])
-        rows[s, h] = True
-        start = 4 * (pool.base + s * g.slot_stride + h * g.region_words)
-        raw[start:start + g.checkpoint_bytes] = True
-    return raw, rows
+    n, heads = due.nonzero(as_tuple=True)
+    slots = idx.long()[n]
+    rows = torch.zeros(pool.num_slots, pool.heads, dtype=torch.bool)
+    rows[slots, heads] = True
+    return pool.checkpoint_mask(slots, heads).cpu(), rows
 
 
 def assert_untouched_and_reset(pool, before, idx, due):
