@@ -12,20 +12,24 @@ ring padded to 16 (``tl.dot`` needs every dimension >= 16; padded rows and colum
     b_q    [V, BR] fp32  the subspace basis Q; b_q16 = fp16(Q) is what is stored
     b_ut16 [BR, K] fp16  U^T = (S^T q16)^T saturated at +-65504, the layout of uq's rows
 
-Precision of each product (SPEC §4 asks for <= 1.02 x the fp32 reference's error per program):
-    ring       tl.dot tf32x3 (fp32 accumulate): ubuf is bf16, exact in tf32; the decayed keys w_j kbuf[j] d_j are
-               split into tf32 big + small parts, 22 bits. (A bf16 hi + lo split gives 16 bits; the interpreter of
-               Triton 3.6 also miscomputes bf16 dots, so the CI could not check that path.)
+Every product with a contraction over V or K is a ``tl.dot``; the small ones live in the program's scratch words:
+
+    Lo         tl.dot fp16 x fp16 -> fp32 onto Dq: exact products of the stored factors
+    ring       two tl.dot tf32 (fp32 accumulate): ubuf is bf16, exact in tf32; the decayed keys w_j kbuf[j] d_j are
+               split into tf32 big + small parts, 22 bits. (bf16 pieces would halve the operand registers, but the
+               interpreter of Triton 3.6 miscomputes bf16 dots, so the CI could not check that path.)
     P, Y       tl.dot fp16 x fp16 -> fp32 on Sn, P rounded to fp16 between the products: the seed's numerics (mean
                ratio 1.0005 to the reference; bf16 here measured 1.04 on states with a few large columns, a fail)
-    U          fp32 FMA, one masked column reduction per rank: exact products, fp32 sums, as the reference
-    q16 u16^T  tl.dot fp16 x fp16 -> fp32: exact products of the stored factors, R <= 4 terms
-    Gram, Cholesky, triangular solve: fp32 in registers, masked sums over [V, BR] and [BR, BR] tiles
+    CholQR2    Y's 4 leading columns go to scratch; the 4 x 4 Gram matrix is a broadcast product summed over V in
+               fp32; each thread reads it back as scalars and factorises it itself (no reduction per entry); the
+               forward substitution runs on [V] columns, in the reference's order
+    U          tl.dot fp16 x fp16 on Sn, as the seed; the residual is taken against the fp32 S
+    q16 u16^T  tl.dot fp16 x fp16 -> fp32 onto S: exact products of the stored factors, R <= 4 terms
 
 Every ``tl.dot`` is compiled to ``mma.sync`` (:func:`mma_sync_only`; Hopper's ``wgmma`` build of this kernel is
-wrong on the H200). Resources (``python -m leapquant_triton.portability``): at 128 x 128 with 8 warps the kernel takes
-all 255 registers (one program per SM at a time), 40 KiB (KDA) / 64 KiB (GDN) of shared memory, no spills. Where the
-time goes (one program's latency, ~60 us on the H200) is in bench/NOTES.md.
+wrong on the H200). Resources (``python -m leapquant_triton.portability``): at 128 x 128 the kernel runs 8 warps
+capped at 128 registers (two programs per SM; ~1 KB of spills), 32 KiB of shared memory. Measurements and the way
+there are in bench/NOTES.md.
 """
 
 from __future__ import annotations
@@ -53,49 +57,107 @@ RINT_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
-def _column(b_x, i, BR: tl.constexpr):
-    """Column ``i`` of ``b_x [M, BR]`` as an ``[M]`` vector (a masked sum: Triton has no register indexing)."""
-    o_r = tl.arange(0, BR)
-    return tl.sum(tl.where(o_r[None, :] == i, b_x, 0.0), axis=1)
+def _cholesky(p_y, p_g, V: tl.constexpr, R: tl.constexpr):
+    """The lower Cholesky factor of ``G = Y^T Y`` for ``Y [V, 4]`` in the program's scratch words at ``p_y``, with
+    the SPEC's relative pivot floor ``L_ii = sqrt(max(G_ii - sum_{j<i} L_ij^2, FLOOR G_ii, TINY))``, in the
+    reference's order; entries of rows >= R are 1 (never used).
+
+    G is one broadcast product summed over V (fp32, as the reference's matmul); it goes through the scratch words at
+    ``p_g`` so that every thread reads it as scalars and factorises it on its own (Triton has no register indexing:
+    masked sums would cost a reduction and a barrier per entry). R <= 4, so the factorisation is written out."""
+    o_v = tl.arange(0, V)
+    o_4 = tl.arange(0, 4)
+    b_y = tl.load(p_y + o_v[:, None] * 4 + o_4[None, :])  # [V, 4]
+    b_g = tl.sum(b_y[:, :, None] * b_y[:, None, :], axis=0)  # [4, 4]
+    tl.store(p_g + o_4[:, None] * 4 + o_4[None, :], b_g)
+    tl.debug_barrier()  # the Gram matrix is visible to every thread
+    l10, l11, l20, l21, l22, l30, l31, l32, l33 = 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
+    g00 = tl.load(p_g)
+    l00 = tl.sqrt_rn(tl.maximum(tl.maximum(g00, FLOOR * g00), TINY))
+    if R > 1:
+        l10 = tl.math.div_rn(tl.load(p_g + 4), l00)
+        g11 = tl.load(p_g + 5)
+        l11 = tl.sqrt_rn(tl.maximum(tl.maximum(g11 - l10 * l10, FLOOR * g11), TINY))
+    if R > 2:
+        l20 = tl.math.div_rn(tl.load(p_g + 8), l00)
+        l21 = tl.math.div_rn(tl.load(p_g + 9) - l20 * l10, l11)
+        g22 = tl.load(p_g + 10)
+        l22 = tl.sqrt_rn(tl.maximum(tl.maximum(g22 - (l20 * l20 + l21 * l21), FLOOR * g22), TINY))
+    if R > 3:
+        l30 = tl.math.div_rn(tl.load(p_g + 12), l00)
+        l31 = tl.math.div_rn(tl.load(p_g + 13) - l30 * l10, l11)
+        l32 = tl.math.div_rn(tl.load(p_g + 14) - (l30 * l20 + l31 * l21), l22)
+        g33 = tl.load(p_g + 15)
+        l33 = tl.sqrt_rn(tl.maximum(tl.maximum(g33 - (l30 * l30 + l31 * l31 + l32 * l32), FLOOR * g33), TINY))
+    return l00, l10, l11, l20, l21, l22, l30, l31, l32, l33
 
 
 @triton.jit
-def _row(b_x, i, BR: tl.constexpr):
-    """Row ``i`` of ``b_x [BR, M]`` as an ``[M]`` vector."""
-    o_r = tl.arange(0, BR)
-    return tl.sum(tl.where(o_r[:, None] == i, b_x, 0.0), axis=0)
+def _div(b_x, d):
+    """``b_x / d`` for a vector and a scalar, correctly rounded (``/`` is an approximate division on the GPU)."""
+    return tl.math.div_rn(b_x, tl.zeros_like(b_x) + d)
 
 
 @triton.jit
-def _cholqr(b_y, R: tl.constexpr, BR: tl.constexpr):
-    """One CholeskyQR step on ``b_y [V, BR]`` (columns >= R zero): ``Y L^{-T}`` with ``Y^T Y = L L^T`` and the
-    relative pivot floor ``L_ii = sqrt(max(G_ii - sum_{j<i} L_ij^2, FLOOR G_ii, TINY))``, as the reference."""
+def _cholqr(p_y, p_g, V: tl.constexpr, R: tl.constexpr):
+    """One CholeskyQR step in place on ``Y [V, 4]`` in the scratch words at ``p_y`` (columns >= R zero):
+    ``Q = Y L^{-T}`` by forward substitution over the columns, as the reference computes it."""
+    l00, l10, l11, l20, l21, l22, l30, l31, l32, l33 = _cholesky(p_y, p_g, V, R)
+    o_v = tl.arange(0, V)
+    q0 = _div(tl.load(p_y + o_v * 4), l00)
+    q1, q2, q3 = q0, q0, q0
+    if R > 1:
+        q1 = _div(tl.load(p_y + o_v * 4 + 1) - l10 * q0, l11)
+    if R > 2:
+        q2 = _div((tl.load(p_y + o_v * 4 + 2) - l20 * q0) - l21 * q1, l22)
+    if R > 3:
+        q3 = _div(((tl.load(p_y + o_v * 4 + 3) - l30 * q0) - l31 * q1) - l32 * q2, l33)
+    tl.debug_barrier()  # every thread has read Y before Q overwrites it
+    tl.store(p_y + o_v * 4, q0)
+    if R > 1:
+        tl.store(p_y + o_v * 4 + 1, q1)
+    if R > 2:
+        tl.store(p_y + o_v * 4 + 2, q2)
+    if R > 3:
+        tl.store(p_y + o_v * 4 + 3, q3)
+    tl.debug_barrier()  # Q is visible to every thread
+
+
+@triton.jit
+def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+             R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, IS_KDA: tl.constexpr):
+    """The rebuilt state S = (Dq + Lo) * scale + Ring (SPEC §3 steps 1-4) as a [V, K] fp32 tile, from the pointers
+    of one (slot, head): its codes, s_k | s_v, uq, and its kbuf, ubuf, w, pcum and gbuf rows."""
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+    o_l = tl.arange(0, BL)
     o_r = tl.arange(0, BR)
-    # Gram matrix G = Y^T Y [BR, BR], one row per column of Y
-    b_g = tl.zeros([BR, BR], dtype=tl.float32)
-    for i in tl.static_range(R):
-        b_gi = tl.sum(b_y * _column(b_y, i, BR)[:, None], axis=0)  # [BR]
-        b_g = tl.where(o_r[:, None] == i, b_gi[None, :], b_g)
-    # lower Cholesky factor, one column at a time; columns > i of b_l are still zero
-    b_l = tl.zeros([BR, BR], dtype=tl.float32)
-    for i in tl.static_range(R):
-        b_gcol = _column(b_g, i, BR)  # G[:, i]
-        b_lrow = _row(b_l, i, BR)  # L[i, :i]
-        b_c = b_gcol - tl.sum(b_l * b_lrow[None, :], axis=1)  # G[:, i] - sum_{j<i} L[:, j] L[i, j]
-        g_ii = tl.sum(tl.where(o_r == i, b_gcol, 0.0))
-        c_ii = tl.sum(tl.where(o_r == i, b_c, 0.0))
-        l_ii = tl.sqrt_rn(tl.maximum(tl.maximum(c_ii, FLOOR * g_ii), TINY))
-        b_lcol = tl.where(o_r == i, l_ii, tl.where(o_r > i, tl.math.div_rn(b_c, tl.zeros_like(b_c) + l_ii), 0.0))
-        b_l = tl.where(o_r[None, :] == i, b_lcol[:, None], b_l)
-    # forward substitution Q L^T = Y, column by column; columns >= i of b_q are still zero
-    b_q = tl.zeros_like(b_y)
-    for i in tl.static_range(R):
-        b_lrow = _row(b_l, i, BR)  # L[i, :]
-        l_ii = tl.sum(tl.where(o_r == i, b_lrow, 0.0))
-        b_qi = _column(b_y, i, BR) - tl.sum(b_q * b_lrow[None, :], axis=1)  # [V]
-        b_qi = tl.math.div_rn(b_qi, tl.zeros_like(b_qi) + l_ii)
-        b_q = tl.where(o_r[None, :] == i, b_qi[:, None], b_q)
-    return b_q
+    m_l = o_l < L
+    m_r = o_r < R
+    b_sk = tl.load(p_skv + o_k)  # [K]
+    b_sv = tl.load(p_skv + K + o_v)  # [V]
+    b_s = tl.load(p_c + o_v[:, None] * K + o_k[None, :]).to(tl.float32) * (b_sv / QMAX)[:, None] * b_sk[None, :]
+    # old rank-R part from the fp16 factors: products are exact in fp32
+    b_qo = tl.load(p_uq + o_r[None, :] * (K + V) + K + o_v[:, None], mask=m_r[None, :], other=0.0)  # [V, BR]
+    b_uo = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=m_r[:, None], other=0.0)  # [BR, K]
+    b_s = tl.dot(b_qo, b_uo, acc=b_s)
+    b_w = tl.load(p_w + o_l, mask=m_l, other=0.0)  # [BL]
+    b_kd = tl.load(p_k + o_l[:, None] * K + o_k[None, :], mask=m_l[:, None], other=0.0).to(tl.float32)  # [BL, K]
+    if IS_KDA:
+        b_s *= tl.exp(tl.load(p_pc + o_k))[None, :]
+        # d_j = prod_{i>j} gbuf[i]: a reverse inclusive scan over the rows shifted up by one (last row and padding 1)
+        m_g = (o_l[:, None] + 1) < L
+        b_g = tl.load(p_g + (o_l[:, None] + 1) * K + o_k[None, :], mask=m_g, other=1.0)
+        b_kd = b_kd * tl.cumprod(b_g.to(tl.float32), axis=0, reverse=True)
+    else:
+        b_s *= tl.maximum(tl.load(p_pc), PNMIN)
+    b_kd = b_kd * b_w[:, None]
+    # ubuf^T [V, BL], padded entries zero; bf16 values are exact in tf32, and the decayed keys are split into tf32
+    # big + small parts (22 bits): two tf32 products
+    b_ut = tl.load(p_u + o_l[None, :] * V + o_v[:, None], mask=m_l[None, :], other=0.0).to(tl.float32)
+    b_kh = (b_kd.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # exact in tf32
+    b_s = tl.dot(b_ut, b_kd - b_kh, acc=b_s, input_precision="tf32")
+    return tl.dot(b_ut, b_kh, acc=b_s, input_precision="tf32")
 
 
 @triton.jit
@@ -111,6 +173,7 @@ def leapquant_flush_kernel(
     pcum,  # fp32 [NS, HV, K] (KDA) or [NS, HV, 1] (GDN)
     gbuf,  # fp16 [NS, HV, L, K] (KDA); any pointer for GDN, never read
     q0,  # fp32 [V, R]
+    scratch,  # fp32 [N * HV, SCR]: per-program words for Y / Q [V, 4] and the Gram matrices (scratch_words)
     NS,
     HV,
     SS,  # slot stride of the pool in fp32 words, (HV + 1) V K
@@ -123,6 +186,7 @@ def leapquant_flush_kernel(
     BR: tl.constexpr,
     ITERS: tl.constexpr,
     IS_KDA: tl.constexpr,
+    SCR: tl.constexpr,
 ):
     i_n, i_h = tl.program_id(0), tl.program_id(1)
     i_s = tl.load(idx + i_n).to(tl.int64)
@@ -144,32 +208,8 @@ def leapquant_flush_kernel(
 
     # --- 1-4. rebuild S = (Dq + Lo) * scale + Ring -------------------------------------------------------------
     p_c = codes + o_reg * 4 + o_v[:, None] * K + o_k[None, :]
-    b_sk = tl.load(skv + o_reg + o_k)  # [K]
-    b_sv = tl.load(skv + o_reg + K + o_v)  # [V]
-    b_s = tl.load(p_c).to(tl.float32) * tl.math.div_rn(b_sv, tl.zeros_like(b_sv) + QMAX)[:, None] * b_sk[None, :]
-    # old rank-R part from the fp16 factors: products are exact in fp32
-    b_lo = tl.zeros([V, K], dtype=tl.float32)
-    for r in tl.static_range(R):
-        b_qr = tl.load(uq + o_reg * 2 + r * (K + V) + K + o_v).to(tl.float32)  # [V]
-        b_ur = tl.load(uq + o_reg * 2 + r * (K + V) + o_k).to(tl.float32)  # [K]
-        b_lo += b_qr[:, None] * b_ur[None, :]
-    b_s += b_lo
-    b_w = tl.load(w + i_sh * L + o_l, mask=m_l, other=0.0)  # [BL]
-    b_k = tl.load(kbuf + i_sh * (L * K) + o_l[:, None] * K + o_k[None, :], mask=m_l[:, None], other=0.0)
-    b_kd = b_k.to(tl.float32)  # [BL, K]
-    if IS_KDA:
-        b_s *= tl.exp(tl.load(pcum + i_sh * K + o_k))[None, :]
-        # d_j = prod_{i>j} gbuf[i]: a reverse inclusive scan over the rows shifted up by one (last row and padding 1)
-        m_g = (o_l[:, None] + 1) < L
-        b_g = tl.load(gbuf + i_sh * (L * K) + (o_l[:, None] + 1) * K + o_k[None, :], mask=m_g, other=1.0)
-        b_kd = b_kd * tl.cumprod(b_g.to(tl.float32), axis=0, reverse=True)
-    else:
-        b_s *= tl.maximum(tl.load(pcum + i_sh), PNMIN)
-    b_kd = b_kd * b_w[:, None]
-    # ubuf^T [V, BL], padded entries zero; bf16 values are exact in tf32, and tf32x3 splits the decayed keys into
-    # tf32 big + small parts (22 bits)
-    b_ut = tl.load(ubuf + i_sh * (L * V) + o_l[None, :] * V + o_v[:, None], mask=m_l[None, :], other=0.0)
-    b_s = tl.dot(b_ut.to(tl.float32), b_kd, acc=b_s, input_precision="tf32x3")
+    b_s = _rebuild(codes + o_reg * 4, skv + o_reg, uq + o_reg * 2, kbuf + i_sh * (L * K), ubuf + i_sh * (L * V),
+                   w + i_sh * L, pcum + i_sh * (K if IS_KDA else 1), gbuf + i_sh * (L * K), K, V, L, R, BL, BR, IS_KDA)
 
     # --- 5. subspace iteration on Sn = c S, c = 2^(126 - e) from the fp32 exponent field e of max|S| -----------
     a_max = tl.max(tl.max(tl.abs(b_s), axis=1), axis=0)
@@ -177,33 +217,36 @@ def leapquant_flush_kernel(
     e_max = tl.minimum(tl.maximum(e_max, 1), 252)
     c_norm = ((253 - e_max) << 23).to(tl.float32, bitcast=True)  # max|c S| in [0.5, 1)
     b_sh = (b_s * c_norm).to(tl.float16)
+    # CholeskyQR2 works on Y's 4 leading columns (R <= 4 live, the rest zero) in the program's scratch words
+    p_y = scratch + (i_n.to(tl.int64) * HV + i_h) * SCR  # [V, 4]: Y, then Q
+    p_gram = p_y + 4 * V  # a 4 x 4 Gram matrix per CholeskyQR step
     b_q = tl.load(q0 + o_v[:, None] * R + o_r[None, :], mask=m_r[None, :], other=0.0)  # [V, BR]
-    for _ in tl.static_range(ITERS):
+    for it in tl.static_range(ITERS):
         b_p = tl.dot(tl.trans(b_sh), b_q.to(tl.float16))  # [K, BR]
         b_y = tl.dot(b_sh, b_p.to(tl.float16))  # [V, BR]
-        b_q = _cholqr(_cholqr(b_y, R, BR), R, BR)
+        tl.store(p_y + o_v[:, None] * 4 + o_r[None, :], b_y, mask=o_r[None, :] < 4)
+        tl.debug_barrier()
+        _cholqr(p_y, p_gram + 32 * it, V, R)
+        _cholqr(p_y, p_gram + 32 * it + 16, V, R)
+        b_q = tl.load(p_y + o_v[:, None] * 4 + o_r[None, :], mask=o_r[None, :] < 4, other=0.0)
 
     # --- 6-7. new factors U = S^T q16 and the residual E = S - q16 u16^T ----------------------------------------
-    # U one column at a time on the fp32 state: exact products, fp32 sums (what the reference computes), no fp16
-    # copy of S in shared memory for a product whose rounding would reach the stored factors
+    # U from the fp16 state Sn as the seed computes it (one tl.dot; the residual absorbs its rounding, since E is
+    # taken against the fp32 S). With the state's fp16 rounding error split off as a second fp16 product, U was
+    # fp32-exact, at +24 % time (bench/NOTES.md).
     b_q16 = b_q.to(tl.float16)  # [V, BR]
-    b_q16f = b_q16.to(tl.float32)
-    b_ut16 = tl.zeros([BR, K], dtype=tl.float16)  # U^T, the layout of uq's rows
-    for r in tl.static_range(R):
-        b_ur = tl.sum(b_s * _column(b_q16f, r, BR)[:, None], axis=0)  # [K]
-        b_ur = tl.minimum(tl.maximum(b_ur, -FP16_MAX), FP16_MAX).to(tl.float16)
-        b_ut16 = tl.where(o_r[:, None] == r, b_ur[None, :], b_ut16)
-    # fp16 x fp16 products are exact in fp32 (R <= 4 terms, padding zero); as a dot the residual needs no extra
-    # [V, K] tile of registers (255 -> 0 B of spill at sm_90 against a broadcast loop)
-    b_s = b_s - tl.dot(b_q16, b_ut16)
+    b_u = tl.dot(tl.trans(b_sh), b_q16) * tl.math.div_rn(1.0, c_norm)  # [K, BR]; 1 / c is a power of two
+    b_ut16 = tl.trans(tl.minimum(tl.maximum(b_u, -FP16_MAX), FP16_MAX).to(tl.float16))  # [BR, K]
+    # fp16 x fp16 products are exact in fp32 (R <= 4 terms, padding zero), accumulated onto S
+    b_s = tl.dot(-b_q16, b_ut16, acc=b_s)
 
     # --- 8-9. column scales, row scales, codes -----------------------------------------------------------------
-    b_sk = tl.maximum(tl.sqrt_rn(tl.sum(tl.abs(b_s), axis=0) / V), EPS)  # [K]; V is a power of two: exact mean
-    b_s = b_s * tl.math.div_rn(tl.zeros_like(b_sk) + 1.0, b_sk)[None, :]
+    b_sk = tl.maximum(tl.sqrt(tl.sum(tl.abs(b_s), axis=0) / V), EPS)  # [K]; V is a power of two: exact mean
+    b_s = b_s * (1.0 / b_sk)[None, :]
     b_sv = tl.maximum(tl.max(tl.abs(b_s), axis=1), EPS)  # [V]
-    b_x = b_s * tl.math.div_rn(tl.zeros_like(b_sv) + QMAX, b_sv)[:, None]
-    b_x = (b_x + RINT_MAGIC) - RINT_MAGIC
-    b_c = tl.minimum(tl.maximum(b_x, -QMAX), QMAX).to(tl.int8)
+    # |X| <= s_v in every row, so |b_x| <= QMAX (1 + 2^-22) and rounds into [-QMAX, QMAX]: no clamp needed
+    b_x = b_s * ((tl.zeros_like(b_sv) + QMAX) / b_sv)[:, None]
+    b_c = ((b_x + RINT_MAGIC) - RINT_MAGIC).to(tl.int8)
 
     # --- 10. store the checkpoint and reset the ring ----------------------------------------------------------
     tl.store(p_c, b_c)
@@ -229,6 +272,18 @@ def num_warps_for(head_k: int, head_v: int) -> int:
     return 4 if head_k * head_v <= 64 * 64 else 8
 
 
+def maxnreg_for(num_warps: int) -> int | None:
+    """Register cap per thread. At 8 warps, 128 registers let two programs share an SM (65,536 registers); the kernel
+    then spills about 1 KB per thread, and is still faster than one program per SM with no spills: 737 against
+    950 us all due at 256 x 32 KDA on the H200 (bench/NOTES.md). 4-warp programs (64 x 64) are left uncapped."""
+    return 128 if num_warps == 8 else None
+
+
+def scratch_words(head_v: int, iters: int) -> int:
+    """fp32 words of scratch per program: Y / Q [V, 4] and 2 ITERS Gram matrices (4 x 4)."""
+    return 4 * head_v + 32 * iters
+
+
 def kernel_constants(geometry, convention: str, iters: int) -> dict:
     """The constexpr arguments of :func:`leapquant_flush_kernel` for a pool (also what the AOT check compiles)."""
     g = geometry
@@ -242,6 +297,7 @@ def kernel_constants(geometry, convention: str, iters: int) -> dict:
         BR=16,
         ITERS=iters,
         IS_KDA=g.gate == "kda",
+        SCR=scratch_words(g.head_v, iters),
     )
 
 
@@ -274,14 +330,19 @@ def mma_sync_only():
                     os.environ[k] = v
 
 
-def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None) -> None:
+def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: int | None = None) -> None:
     """Launch the flush over ``idx`` (int32 ``[N]``) on ``pool`` in place: grid ``(N, HV)``, no host synchronisation,
-    the same launch for the same pool and ``N``."""
+    the same launch for the same pool and ``N``. ``num_warps`` and ``maxnreg`` override the tuned defaults (for
+    experiments; ``maxnreg=0`` lifts the cap)."""
     g = pool.geometry
     N = idx.numel()
     if N == 0:
         return
     gbuf = pool.gbuf if pool.gbuf is not None else pool.w  # GDN never reads it
+    nw = num_warps or num_warps_for(g.head_k, g.head_v)
+    cap = maxnreg if maxnreg is not None else maxnreg_for(nw)
+    # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch their own
+    scratch = torch.empty(N * g.heads * scratch_words(g.head_v, pool.iters), dtype=torch.float32, device=idx.device)
     with mma_sync_only():
         leapquant_flush_kernel[(N, g.heads)](
             idx=idx,
@@ -295,10 +356,12 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None) -> None:
             pcum=pool.pcum,
             gbuf=gbuf,
             q0=pool.q0,
+            scratch=scratch,
             NS=g.num_slots,
             HV=g.heads,
             SS=g.slot_stride,
             **kernel_constants(g, pool.convention, pool.iters),
-            num_warps=num_warps or num_warps_for(g.head_k, g.head_v),
+            num_warps=nw,
             num_stages=1,
+            **({"maxnreg": cap} if cap else {}),
         )

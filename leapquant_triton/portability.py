@@ -22,20 +22,22 @@ from dataclasses import dataclass
 from leapquant.pool import Geometry
 
 from .backend import SUPPORTED_CAPABILITIES
-from .kernel import kernel_constants, leapquant_flush_kernel, mma_sync_only, num_warps_for
+from .kernel import kernel_constants, leapquant_flush_kernel, maxnreg_for, mma_sync_only, num_warps_for
 
 # shared memory per block (opt-in maximum), bytes, from the CUDA programming guide's table of compute capabilities
 SMEM_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
 MAX_REGS = 255
-# spills go to local memory (L1-resident at these sizes): a speed cost, reported, tolerated up to this much. Seen:
-# 0-16 B at ITERS=1 everywhere; ITERS=2 at 128 x 128 spills 56 B (sm_90), 152 B (sm_120), 484 B (sm_80/86/89)
-MAX_SPILL_BYTES = 512
+# spills go to local memory (L1-resident at these sizes): a speed cost, reported, tolerated up to this much. The
+# 8-warp programs are capped at 128 registers (kernel.maxnreg_for: two programs per SM) and spill 0.7-1.2 KB on
+# every architecture; that build is faster on the H200 than the uncapped one without spills (bench/NOTES.md).
+# The 4-warp programs (64 x 64) do not spill.
+MAX_SPILL_BYTES = 2048
 ARCHS = tuple(SMEM_LIMIT)
 
 # pointer arguments in kernel order, with their element types
 _POINTERS = {
     "idx": "*i32", "hcnt": "*i32", "codes": "*i8", "skv": "*fp32", "uq": "*fp16", "kbuf": "*bf16",
-    "ubuf": "*bf16", "w": "*fp32", "pcum": "*fp32", "gbuf": "*fp16", "q0": "*fp32",
+    "ubuf": "*bf16", "w": "*fp32", "pcum": "*fp32", "gbuf": "*fp16", "q0": "*fp32", "scratch": "*fp32",
 }
 
 
@@ -115,6 +117,7 @@ def compile_one(arch: int, shape: Shape, num_warps: int | None = None, maxnreg: 
         raise RuntimeError("the kernel was decorated under TRITON_INTERPRET=1; run the AOT check without it")
     geo = Geometry(2, 32, shape.head_k, shape.head_v, shape.ring, shape.rank, shape.gate)
     nw = num_warps or num_warps_for(shape.head_k, shape.head_v)
+    maxnreg = maxnreg if maxnreg is not None else maxnreg_for(nw)  # the backend's launch
     constexprs = kernel_constants(geo, "vllm", shape.iters)
     signature = dict(_POINTERS, NS="i32", HV="i32", SS="i32")
     signature.update({k: "constexpr" for k in constexprs})
