@@ -51,8 +51,8 @@ FLOOR = tl.constexpr(constants.FLOOR)
 TINY = tl.constexpr(constants.TINY)
 PNMIN = tl.constexpr(constants.PNMIN)
 FP16_MAX = tl.constexpr(constants.FP16_MAX)
-# 1.5 * 2^23: adding and subtracting it rounds an fp32 |x| <= 2^22 to an integer, half to even, on the GPU and in
-# the interpreter alike (libdevice's rint has no interpreter counterpart)
+# 1.5 * 2^23: adding it rounds an fp32 |x| <= 2^22 to an integer, half to even, on the GPU and in the interpreter
+# alike (libdevice's rint has no interpreter counterpart)
 RINT_MAGIC = tl.constexpr(12582912.0)
 
 
@@ -246,7 +246,9 @@ def leapquant_flush_kernel(
     b_sv = tl.maximum(tl.max(tl.abs(b_s), axis=1), EPS)  # [V]
     # |X| <= s_v in every row, so |b_x| <= QMAX (1 + 2^-22) and rounds into [-QMAX, QMAX]: no clamp needed
     b_x = b_s * ((tl.zeros_like(b_sv) + QMAX) / b_sv)[:, None]
-    b_c = ((b_x + RINT_MAGIC) - RINT_MAGIC).to(tl.int8)
+    # x + 1.5 * 2^23 holds round_half_even(x) in its low mantissa bits, offset by 2^22 (a multiple of 256): the low
+    # byte of its bit pattern is the int8 code in two's complement
+    b_c = (b_x + RINT_MAGIC).to(tl.int32, bitcast=True).to(tl.int8)
 
     # --- 10. store the checkpoint and reset the ring ----------------------------------------------------------
     tl.store(p_c, b_c)
