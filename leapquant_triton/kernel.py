@@ -12,7 +12,7 @@ ring padded to 16 (``tl.dot`` needs every dimension >= 16; padded rows and colum
     b_q    [V, BR] fp32  the subspace basis Q; b_q16 = fp16(Q) is what is stored
     b_ut16 [BR, K] fp16  U^T = (S^T q16)^T saturated at +-65504, the layout of uq's rows
 
-Every product with a contraction over V or K is a ``tl.dot``; the small ones live in the program's scratch words:
+Every product with a contraction over V or K is a ``tl.dot``; CholeskyQR2 works in the program's scratch words:
 
     Lo         tl.dot fp16 x fp16 -> fp32 onto Dq: exact products of the stored factors
     ring       two tl.dot tf32 (fp32 accumulate): ubuf is bf16, exact in tf32; the decayed keys w_j kbuf[j] d_j are
@@ -136,6 +136,8 @@ def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, K: tl.constexpr, V: tl.
     m_r = o_r < R
     b_sk = tl.load(p_skv + o_k)  # [K]
     b_sv = tl.load(p_skv + K + o_v)  # [V]
+    # (``/`` here and for the new scales below is the GPU's fast division, within 2 ulp: it moves a scale by fp32
+    # rounding, far below the quantisation error; IEEE division costs a slow-path branch per value)
     b_s = tl.load(p_c + o_v[:, None] * K + o_k[None, :]).to(tl.float32) * (b_sv / QMAX)[:, None] * b_sk[None, :]
     # old rank-R part from the fp16 factors: products are exact in fp32
     b_qo = tl.load(p_uq + o_r[None, :] * (K + V) + K + o_v[:, None], mask=m_r[None, :], other=0.0)  # [V, BR]
@@ -315,7 +317,7 @@ def mma_sync_only():
     Measured on the H200 with Triton 3.6 (parity_tests/gpu_runs/2026-11-30_s2_diag.log): compiled with
     ``wgmma`` this kernel gives different bytes from run to run, non-finite outputs on ordinary states and illegal
     memory accesses on GDN pools; with ``mma.sync`` it is deterministic, graph replay equals eager, and every regime
-    passes SPEC §4, at the same speed. Triton has open reports of the same kind for kernels with several ``tl.dot``
+    passes SPEC §4, about 10 % slower (session 2, on the kernel of that time). Triton has open reports of the same kind for kernels with several ``tl.dot``
     on sm_90 (triton-lang/triton #10486, #11366). Triton reads the switch from the environment while it compiles and
     keys its caches on it, so it is set around each launch (a compile happens inside the first one) and restored.
     """
