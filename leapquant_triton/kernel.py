@@ -124,16 +124,20 @@ def _cholqr(p_y, p_g, V: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
+def _ranges(K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr,
+            BR: tl.constexpr):
+    """Index vectors over K, V, the padded ring and the padded rank, and the masks of the live ring and rank."""
+    o_l = tl.arange(0, BL)
+    o_r = tl.arange(0, BR)
+    return tl.arange(0, K), tl.arange(0, V), o_l, o_r, o_l < L, o_r < R
+
+
+@triton.jit
 def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
              R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, IS_KDA: tl.constexpr):
     """The rebuilt state S = (Dq + Lo) * scale + Ring (SPEC §3 steps 1-4) as a [V, K] fp32 tile, from the pointers
     of one (slot, head): its codes, s_k | s_v, uq, and its kbuf, ubuf, w, pcum and gbuf rows."""
-    o_k = tl.arange(0, K)
-    o_v = tl.arange(0, V)
-    o_l = tl.arange(0, BL)
-    o_r = tl.arange(0, BR)
-    m_l = o_l < L
-    m_r = o_r < R
+    o_k, o_v, o_l, o_r, m_l, m_r = _ranges(K, V, L, R, BL, BR)
     b_sk = tl.load(p_skv + o_k)  # [K]
     b_sv = tl.load(p_skv + K + o_v)  # [V]
     # (``/`` here and for the new scales below is the GPU's fast division, within 2 ulp: it moves a scale by fp32
@@ -199,12 +203,7 @@ def leapquant_flush_kernel(
     if tl.load(hcnt + i_sh) != L:
         return
 
-    o_k = tl.arange(0, K)
-    o_v = tl.arange(0, V)
-    o_l = tl.arange(0, BL)
-    o_r = tl.arange(0, BR)
-    m_l = o_l < L
-    m_r = o_r < R
+    o_k, o_v, o_l, o_r, m_l, m_r = _ranges(K, V, L, R, BL, BR)
     # region of (slot, head) in words; the pool passes 2^31 bytes at ~1000 slots of 32 heads
     o_reg = i_s * SS + i_h * (V * K)
 
