@@ -44,6 +44,8 @@ import triton.language as tl
 
 from leapquant import constants
 
+from .backend import _interpreting
+
 # the SPEC's constants as compile-time values (a @triton.jit function can read only constexpr globals)
 QMAX = tl.constexpr(constants.QMAX)
 EPS = tl.constexpr(constants.EPS)
@@ -60,58 +62,56 @@ RINT_MAGIC = tl.constexpr(12582912.0)
 def _cholesky(p_y, p_g, V: tl.constexpr, R: tl.constexpr):
     """The lower Cholesky factor of ``G = Y^T Y`` for ``Y [V, 4]`` in the program's scratch words at ``p_y``, with
     the SPEC's relative pivot floor ``L_ii = sqrt(max(G_ii - sum_{j<i} L_ij^2, FLOOR G_ii, TINY))``, in the
-    reference's order; entries of rows >= R are 1 (never used).
+    reference's order, as (the off-diagonal entries, the reciprocals of the pivots); entries of rows >= R are 1
+    (never used).
 
     G is one broadcast product summed over V (fp32, as the reference's matmul); it goes through the scratch words at
     ``p_g`` so that every thread reads it as scalars and factorises it on its own (Triton has no register indexing:
-    masked sums would cost a reduction and a barrier per entry). R <= 4, so the factorisation is written out."""
+    masked sums would cost a reduction and a barrier per entry). R <= 4, so the factorisation is written out. Every
+    division by a pivot is a product with its reciprocal (fast square root and reciprocal, within 2 ulp of the
+    reference's IEEE operations: the IEEE ones cost a slow-path branch each, in every thread)."""
     o_v = tl.arange(0, V)
     o_4 = tl.arange(0, 4)
     b_y = tl.load(p_y + o_v[:, None] * 4 + o_4[None, :])  # [V, 4]
     b_g = tl.sum(b_y[:, :, None] * b_y[:, None, :], axis=0)  # [4, 4]
     tl.store(p_g + o_4[:, None] * 4 + o_4[None, :], b_g)
     tl.debug_barrier()  # the Gram matrix is visible to every thread
-    l10, l11, l20, l21, l22, l30, l31, l32, l33 = 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
+    l10, l20, l21, l30, l31, l32 = 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
+    i11, i22, i33 = 1.0, 1.0, 1.0
     g00 = tl.load(p_g)
-    l00 = tl.sqrt_rn(tl.maximum(tl.maximum(g00, FLOOR * g00), TINY))
+    i00 = 1.0 / tl.sqrt(tl.maximum(tl.maximum(g00, FLOOR * g00), TINY))
     if R > 1:
-        l10 = tl.math.div_rn(tl.load(p_g + 4), l00)
+        l10 = tl.load(p_g + 4) * i00
         g11 = tl.load(p_g + 5)
-        l11 = tl.sqrt_rn(tl.maximum(tl.maximum(g11 - l10 * l10, FLOOR * g11), TINY))
+        i11 = 1.0 / tl.sqrt(tl.maximum(tl.maximum(g11 - l10 * l10, FLOOR * g11), TINY))
     if R > 2:
-        l20 = tl.math.div_rn(tl.load(p_g + 8), l00)
-        l21 = tl.math.div_rn(tl.load(p_g + 9) - l20 * l10, l11)
+        l20 = tl.load(p_g + 8) * i00
+        l21 = (tl.load(p_g + 9) - l20 * l10) * i11
         g22 = tl.load(p_g + 10)
-        l22 = tl.sqrt_rn(tl.maximum(tl.maximum(g22 - (l20 * l20 + l21 * l21), FLOOR * g22), TINY))
+        i22 = 1.0 / tl.sqrt(tl.maximum(tl.maximum(g22 - (l20 * l20 + l21 * l21), FLOOR * g22), TINY))
     if R > 3:
-        l30 = tl.math.div_rn(tl.load(p_g + 12), l00)
-        l31 = tl.math.div_rn(tl.load(p_g + 13) - l30 * l10, l11)
-        l32 = tl.math.div_rn(tl.load(p_g + 14) - (l30 * l20 + l31 * l21), l22)
+        l30 = tl.load(p_g + 12) * i00
+        l31 = (tl.load(p_g + 13) - l30 * l10) * i11
+        l32 = (tl.load(p_g + 14) - (l30 * l20 + l31 * l21)) * i22
         g33 = tl.load(p_g + 15)
-        l33 = tl.sqrt_rn(tl.maximum(tl.maximum(g33 - (l30 * l30 + l31 * l31 + l32 * l32), FLOOR * g33), TINY))
-    return l00, l10, l11, l20, l21, l22, l30, l31, l32, l33
+        i33 = 1.0 / tl.sqrt(tl.maximum(tl.maximum(g33 - (l30 * l30 + l31 * l31 + l32 * l32), FLOOR * g33), TINY))
+    return l10, l20, l21, l30, l31, l32, i00, i11, i22, i33
 
 
 @triton.jit
-def _div(b_x, d):
-    """``b_x / d`` for a vector and a scalar, correctly rounded (``/`` is an approximate division on the GPU)."""
-    return tl.math.div_rn(b_x, tl.zeros_like(b_x) + d)
-
-
-@triton.jit
-def _cholqr(p_y, p_g, V: tl.constexpr, R: tl.constexpr):
+def _cholqr(p_y, p_g, p_q16, V: tl.constexpr, R: tl.constexpr, STORE16: tl.constexpr):
     """One CholeskyQR step in place on ``Y [V, 4]`` in the scratch words at ``p_y`` (columns >= R zero):
     ``Q = Y L^{-T}`` by forward substitution over the columns, as the reference computes it."""
-    l00, l10, l11, l20, l21, l22, l30, l31, l32, l33 = _cholesky(p_y, p_g, V, R)
+    l10, l20, l21, l30, l31, l32, i00, i11, i22, i33 = _cholesky(p_y, p_g, V, R)
     o_v = tl.arange(0, V)
-    q0 = _div(tl.load(p_y + o_v * 4), l00)
+    q0 = tl.load(p_y + o_v * 4) * i00
     q1, q2, q3 = q0, q0, q0
     if R > 1:
-        q1 = _div(tl.load(p_y + o_v * 4 + 1) - l10 * q0, l11)
+        q1 = (tl.load(p_y + o_v * 4 + 1) - l10 * q0) * i11
     if R > 2:
-        q2 = _div((tl.load(p_y + o_v * 4 + 2) - l20 * q0) - l21 * q1, l22)
+        q2 = ((tl.load(p_y + o_v * 4 + 2) - l20 * q0) - l21 * q1) * i22
     if R > 3:
-        q3 = _div(((tl.load(p_y + o_v * 4 + 3) - l30 * q0) - l31 * q1) - l32 * q2, l33)
+        q3 = (((tl.load(p_y + o_v * 4 + 3) - l30 * q0) - l31 * q1) - l32 * q2) * i33
     tl.debug_barrier()  # every thread has read Y before Q overwrites it
     tl.store(p_y + o_v * 4, q0)
     if R > 1:
@@ -120,6 +120,14 @@ def _cholqr(p_y, p_g, V: tl.constexpr, R: tl.constexpr):
         tl.store(p_y + o_v * 4 + 2, q2)
     if R > 3:
         tl.store(p_y + o_v * 4 + 3, q3)
+    if STORE16:  # fp16(Q), what the products take and the checkpoint stores
+        tl.store(p_q16 + o_v * 4, q0.to(tl.float16))
+        if R > 1:
+            tl.store(p_q16 + o_v * 4 + 1, q1.to(tl.float16))
+        if R > 2:
+            tl.store(p_q16 + o_v * 4 + 2, q2.to(tl.float16))
+        if R > 3:
+            tl.store(p_q16 + o_v * 4 + 3, q3.to(tl.float16))
     tl.debug_barrier()  # Q is visible to every thread
 
 
@@ -133,8 +141,8 @@ def _ranges(K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, R: tl.constexpr, 
 
 
 @triton.jit
-def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-             R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, IS_KDA: tl.constexpr):
+def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_e, p_g, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+             R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, IS_KDA: tl.constexpr, BF16_DOTS: tl.constexpr):
     """The rebuilt state S = (Dq + Lo) * scale + Ring (SPEC §3 steps 1-4) as a [V, K] fp32 tile, from the pointers
     of one (slot, head): its codes, s_k | s_v, uq, and its kbuf, ubuf, w, pcum and gbuf rows."""
     o_k, o_v, o_l, o_r, m_l, m_r = _ranges(K, V, L, R, BL, BR)
@@ -142,7 +150,9 @@ def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, K: tl.constexpr, V: tl.
     b_sv = tl.load(p_skv + K + o_v)  # [V]
     # (``/`` here and for the new scales below is the GPU's fast division, within 2 ulp: it moves a scale by fp32
     # rounding, far below the quantisation error; IEEE division costs a slow-path branch per value)
-    b_s = tl.load(p_c + o_v[:, None] * K + o_k[None, :]).to(tl.float32) * (b_sv / QMAX)[:, None] * b_sk[None, :]
+    b_c = tl.load(p_c + o_v[:, None] * K + o_k[None, :])
+    b_cf = (b_c.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    b_s = b_cf * (b_sv / QMAX)[:, None] * b_sk[None, :]
     # old rank-R part from the fp16 factors: products are exact in fp32
     b_qo = tl.load(p_uq + o_r[None, :] * (K + V) + K + o_v[:, None], mask=m_r[None, :], other=0.0)  # [V, BR]
     b_uo = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=m_r[:, None], other=0.0)  # [BR, K]
@@ -150,7 +160,7 @@ def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, K: tl.constexpr, V: tl.
     b_w = tl.load(p_w + o_l, mask=m_l, other=0.0)  # [BL]
     b_kd = tl.load(p_k + o_l[:, None] * K + o_k[None, :], mask=m_l[:, None], other=0.0).to(tl.float32)  # [BL, K]
     if IS_KDA:
-        b_s *= tl.exp(tl.load(p_pc + o_k))[None, :]
+        b_s *= tl.load(p_e + o_k)[None, :]  # exp(pcum), computed once per column by the caller
         # d_j = prod_{i>j} gbuf[i]: a reverse inclusive scan over the rows shifted up by one (last row and padding 1)
         m_g = (o_l[:, None] + 1) < L
         b_g = tl.load(p_g + (o_l[:, None] + 1) * K + o_k[None, :], mask=m_g, other=1.0)
@@ -158,12 +168,23 @@ def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, K: tl.constexpr, V: tl.
     else:
         b_s *= tl.maximum(tl.load(p_pc), PNMIN)
     b_kd = b_kd * b_w[:, None]
-    # ubuf^T [V, BL], padded entries zero; bf16 values are exact in tf32, and the decayed keys are split into tf32
-    # big + small parts (22 bits): two tf32 products
-    b_ut = tl.load(p_u + o_l[None, :] * V + o_v[:, None], mask=m_l[None, :], other=0.0).to(tl.float32)
-    b_kh = (b_kd.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)  # exact in tf32
-    b_s = tl.dot(b_ut, b_kd - b_kh, acc=b_s, input_precision="tf32")
-    return tl.dot(b_ut, b_kh, acc=b_s, input_precision="tf32")
+    # the decayed keys as the exact sum of three bf16 pieces (8 + 8 + 8 significant bits): every product with the
+    # bf16 ubuf is exact in fp32; the small pieces go first
+    b_k1 = b_kd.to(tl.bfloat16)
+    b_r1 = b_kd - b_k1.to(tl.float32)
+    b_k2 = b_r1.to(tl.bfloat16)
+    b_k3 = (b_r1 - b_k2.to(tl.float32)).to(tl.bfloat16)
+    b_ut = tl.load(p_u + o_l[None, :] * V + o_v[:, None], mask=m_l[None, :], other=0.0)  # ubuf^T [V, BL], bf16
+    if BF16_DOTS:
+        b_s = tl.dot(b_ut, b_k3, acc=b_s)
+        b_s = tl.dot(b_ut, b_k2, acc=b_s)
+        b_s = tl.dot(b_ut, b_k1, acc=b_s)
+    else:  # the interpreter multiplies bf16 tiles as integers (Triton 3.6): the same exact products in fp32
+        b_ut = b_ut.to(tl.float32)
+        b_s = tl.dot(b_ut, b_k3.to(tl.float32), acc=b_s)
+        b_s = tl.dot(b_ut, b_k2.to(tl.float32), acc=b_s)
+        b_s = tl.dot(b_ut, b_k1.to(tl.float32), acc=b_s)
+    return b_s
 
 
 @triton.jit
@@ -179,7 +200,8 @@ def leapquant_flush_kernel(
     pcum,  # fp32 [NS, HV, K] (KDA) or [NS, HV, 1] (GDN)
     gbuf,  # fp16 [NS, HV, L, K] (KDA); any pointer for GDN, never read
     q0,  # fp32 [V, R]
-    scratch,  # fp32 [N * HV, SCR]: per-program words for Y / Q [V, 4] and the Gram matrices (scratch_words)
+    scratch,  # fp32 [N * HV, SCR]: per-program words for Y / Q [V, 4], the Gram matrices, c, fp16(Q) (scratch_words)
+    scratch16,  # the same words as fp16
     NS,
     HV,
     SS,  # slot stride of the pool in fp32 words, (HV + 1) V K
@@ -193,6 +215,7 @@ def leapquant_flush_kernel(
     ITERS: tl.constexpr,
     IS_KDA: tl.constexpr,
     SCR: tl.constexpr,
+    BF16_DOTS: tl.constexpr,  # False under the interpreter (its bf16 dot is wrong): the ring's pieces go as fp32
 ):
     i_n, i_h = tl.program_id(0), tl.program_id(1)
     i_s = tl.load(idx + i_n).to(tl.int64)
@@ -207,10 +230,27 @@ def leapquant_flush_kernel(
     # region of (slot, head) in words; the pool passes 2^31 bytes at ~1000 slots of 32 heads
     o_reg = i_s * SS + i_h * (V * K)
 
+    # the program's scratch words (scratch_words): Y / Q [V, 4] (later 1 / s_k), the Gram matrices, c, fp16(Q)
+    # [V, 4], exp(pcum) [K] (later the column sums of |E|)
+    p_y = scratch + (i_n.to(tl.int64) * HV + i_h) * SCR
+    p_gram = p_y + 4 * V
+    p_cn = p_gram + 32 * ITERS
+    p_q16 = scratch16 + ((i_n.to(tl.int64) * HV + i_h) * SCR + 32 * ITERS + 4 * V + 4) * 2
+    p_e = p_cn + 4 + 2 * V
+    # fp16(Q0) and, for KDA, the per-column decay exp(pcum): computed once per value here, read back in the layouts
+    # that use them (in the state's layout every thread would compute 32 of each)
+    m_q = (o_r[None, :] < 4) & (o_v[:, None] < V)
+    tl.store(p_q16 + o_v[:, None] * 4 + o_r[None, :],
+             tl.load(q0 + o_v[:, None] * R + o_r[None, :], mask=m_r[None, :], other=0.0).to(tl.float16), mask=m_q)
+    if IS_KDA:
+        tl.store(p_e + o_k, tl.exp(tl.load(pcum + i_sh * K + o_k)))
+    tl.debug_barrier()
+
     # --- 1-4. rebuild S = (Dq + Lo) * scale + Ring -------------------------------------------------------------
     p_c = codes + o_reg * 4 + o_v[:, None] * K + o_k[None, :]
     b_s = _rebuild(codes + o_reg * 4, skv + o_reg, uq + o_reg * 2, kbuf + i_sh * (L * K), ubuf + i_sh * (L * V),
-                   w + i_sh * L, pcum + i_sh * (K if IS_KDA else 1), gbuf + i_sh * (L * K), K, V, L, R, BL, BR, IS_KDA)
+                   w + i_sh * L, pcum + i_sh * (K if IS_KDA else 1), p_e, gbuf + i_sh * (L * K), K, V, L, R, BL, BR,
+                   IS_KDA, BF16_DOTS)
 
     # --- 5. subspace iteration on Sn = c S, c = 2^(126 - e) from the fp32 exponent field e of max|S| -----------
     a_max = tl.max(tl.max(tl.abs(b_s), axis=1), axis=0)
@@ -218,32 +258,51 @@ def leapquant_flush_kernel(
     e_max = tl.minimum(tl.maximum(e_max, 1), 252)
     c_norm = ((253 - e_max) << 23).to(tl.float32, bitcast=True)  # max|c S| in [0.5, 1)
     b_sh = (b_s * c_norm).to(tl.float16)
-    # CholeskyQR2 works on Y's 4 leading columns (R <= 4 live, the rest zero) in the program's scratch words
-    p_y = scratch + (i_n.to(tl.int64) * HV + i_h) * SCR  # [V, 4]: Y, then Q
-    p_gram = p_y + 4 * V  # a 4 x 4 Gram matrix per CholeskyQR step
-    b_q = tl.load(q0 + o_v[:, None] * R + o_r[None, :], mask=m_r[None, :], other=0.0)  # [V, BR]
+    # CholeskyQR2 works on Y's 4 leading columns (R <= 4 live, the rest zero) in the program's scratch words; the
+    # products take fp16(Q) loaded as fp16, so that their operands go through shared memory as fp16 (from an fp32
+    # load, Triton moves the conversion after the layout change and doubles the shared-memory traffic)
+    tl.store(p_cn, c_norm)  # read back for U
     for it in tl.static_range(ITERS):
-        b_p = tl.dot(tl.trans(b_sh), b_q.to(tl.float16))  # [K, BR]
+        b_q16 = tl.load(p_q16 + o_v[:, None] * 4 + o_r[None, :], mask=m_q, other=0.0)  # [V, BR]
+        b_p = tl.dot(tl.trans(b_sh), b_q16)  # [K, BR]
         b_y = tl.dot(b_sh, b_p.to(tl.float16))  # [V, BR]
         tl.store(p_y + o_v[:, None] * 4 + o_r[None, :], b_y, mask=o_r[None, :] < 4)
         tl.debug_barrier()
-        _cholqr(p_y, p_gram + 32 * it, V, R)
-        _cholqr(p_y, p_gram + 32 * it + 16, V, R)
-        b_q = tl.load(p_y + o_v[:, None] * 4 + o_r[None, :], mask=o_r[None, :] < 4, other=0.0)
+        _cholqr(p_y, p_gram + 32 * it, p_q16, V, R, False)
+        _cholqr(p_y, p_gram + 32 * it + 16, p_q16, V, R, True)
 
     # --- 6-7. new factors U = S^T q16 and the residual E = S - q16 u16^T ----------------------------------------
     # U from the fp16 state Sn as the seed computes it (one tl.dot; the residual absorbs its rounding, since E is
     # taken against the fp32 S). With the state's fp16 rounding error split off as a second fp16 product, U was
-    # fp32-exact, at +24 % time (bench/NOTES.md).
-    b_q16 = b_q.to(tl.float16)  # [V, BR]
-    b_u = tl.dot(tl.trans(b_sh), b_q16) * tl.math.div_rn(1.0, c_norm)  # [K, BR]; 1 / c is a power of two
+    # fp32-exact, at +24 % time (bench/NOTES.md). Sn is formed again from c read back from scratch: the operand of
+    # the first product is not kept in registers through the CholeskyQR2.
+    b_q16 = tl.load(p_q16 + o_v[:, None] * 4 + o_r[None, :], mask=m_q, other=0.0)  # [V, BR]
+    c_back = tl.load(p_cn)
+    b_u = tl.dot(tl.trans((b_s * c_back).to(tl.float16)), b_q16) * tl.math.div_rn(1.0, c_back)  # [K, BR]
     b_ut16 = tl.trans(tl.minimum(tl.maximum(b_u, -FP16_MAX), FP16_MAX).to(tl.float16))  # [BR, K]
     # fp16 x fp16 products are exact in fp32 (R <= 4 terms, padding zero), accumulated onto S
     b_s = tl.dot(-b_q16, b_ut16, acc=b_s)
 
     # --- 8-9. column scales, row scales, codes -----------------------------------------------------------------
-    b_sk = tl.maximum(tl.sqrt(tl.sum(tl.abs(b_s), axis=0) / V), EPS)  # [K]; V is a power of two: exact mean
-    b_s = b_s * (1.0 / b_sk)[None, :]
+    # the column sums of |E| on the tensor cores, as the seed takes them: bf16 |E|^T [K, V] x a [V, 16] tile whose
+    # column 0 is ones (bf16 keeps fp32's range; its rounding moves s_k by at most 2^-10 relative, which the codes
+    # absorb); a reduction over V in the state's layout costs 96 shuffles per thread. They go through scratch so
+    # that s_k and 1 / s_k are computed once per column: in the state's layout every thread would compute 32 of each.
+    o_16 = tl.arange(0, 16)
+    if BF16_DOTS:
+        b_cs = tl.dot(tl.trans(tl.abs(b_s).to(tl.bfloat16)),
+                      tl.where(o_16[None, :] == 0, 1.0, 0.0).to(tl.bfloat16) + tl.zeros([V, 16], tl.bfloat16))
+    else:  # (the interpreter's bf16 dot is wrong: exact fp32 sums there)
+        b_cs = tl.dot(tl.trans(tl.abs(b_s)), tl.where(o_16[None, :] == 0, 1.0, 0.0) + tl.zeros([V, 16], tl.float32))
+    tl.store(p_e + o_k[:, None] + o_16[None, :], b_cs, mask=o_16[None, :] == 0)  # [K, 16]: column 0
+    tl.debug_barrier()
+    m_k = tl.load(p_e + o_k) * (1.0 / V)  # [K]; V is a power of two: the exact mean
+    tl.store(skv + o_reg + o_k, tl.maximum(tl.sqrt(m_k), EPS))
+    # 1 / s_k as one reciprocal square root (within 2 ulp, as the fast reciprocal was; the codes absorb it), in the
+    # words of Y, free since the CholeskyQR2
+    tl.store(p_y + o_k, tl.minimum(tl.math.rsqrt(m_k), 1.0 / EPS))
+    tl.debug_barrier()
+    b_s = b_s * tl.load(p_y + o_k)[None, :]
     b_sv = tl.maximum(tl.max(tl.abs(b_s), axis=1), EPS)  # [V]
     # |X| <= s_v in every row, so |b_x| <= QMAX (1 + 2^-22) and rounds into [-QMAX, QMAX]: no clamp needed
     b_x = b_s * ((tl.zeros_like(b_sv) + QMAX) / b_sv)[:, None]
@@ -253,9 +312,7 @@ def leapquant_flush_kernel(
 
     # --- 10. store the checkpoint and reset the ring ----------------------------------------------------------
     tl.store(p_c, b_c)
-    # stored as [1, K] and [V, 1] tiles in the state's layout: a 1-D store makes Triton move the whole |E| tile into
-    # the store's layout before the reduction (a [V, K] layout conversion and its registers)
-    tl.store(skv + o_reg + o_k[None, :], b_sk[None, :])
+    # stored as a [V, 1] tile in the state's layout, as the column sums above
     tl.store(skv + o_reg + K + o_v[:, None], b_sv[:, None])
     tl.store(uq + o_reg * 2 + o_r[:, None] * (K + V) + o_k[None, :], b_ut16, mask=m_r[:, None])
     m_rv = m_r[None, :] & (o_v[:, None] < V)
@@ -282,9 +339,10 @@ def maxnreg_for(num_warps: int) -> int | None:
     return 128 if num_warps == 8 else None
 
 
-def scratch_words(head_v: int, iters: int) -> int:
-    """fp32 words of scratch per program: Y / Q [V, 4] and 2 ITERS Gram matrices (4 x 4)."""
-    return 4 * head_v + 32 * iters
+def scratch_words(head_k: int, head_v: int, iters: int) -> int:
+    """fp32 words of scratch per program: Y / Q [V, 4] (then 1 / s_k), 2 ITERS Gram matrices (4 x 4), c (padded to
+    4 words), fp16(Q) [V, 4] and [K] for the KDA decay exp(pcum) (then the column sums of |E|)."""
+    return 6 * head_v + 32 * iters + 4 + head_k
 
 
 def kernel_constants(geometry, convention: str, iters: int) -> dict:
@@ -300,7 +358,8 @@ def kernel_constants(geometry, convention: str, iters: int) -> dict:
         BR=16,
         ITERS=iters,
         IS_KDA=g.gate == "kda",
-        SCR=scratch_words(g.head_v, iters),
+        SCR=scratch_words(g.head_k, g.head_v, iters),
+        BF16_DOTS=not _interpreting(),
     )
 
 
@@ -345,7 +404,7 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
     nw = num_warps or num_warps_for(g.head_k, g.head_v)
     cap = maxnreg if maxnreg is not None else maxnreg_for(nw)
     # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch their own
-    scratch = torch.empty(N * g.heads * scratch_words(g.head_v, pool.iters), dtype=torch.float32, device=idx.device)
+    scratch = torch.empty(N * g.heads * scratch_words(g.head_k, g.head_v, pool.iters), dtype=torch.float32, device=idx.device)
     with mma_sync_only():
         leapquant_flush_kernel[(N, g.heads)](
             idx=idx,
@@ -360,6 +419,7 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
             gbuf=gbuf,
             q0=pool.q0,
             scratch=scratch,
+            scratch16=scratch.view(torch.float16),
             NS=g.num_slots,
             HV=g.heads,
             SS=g.slot_stride,

@@ -38,6 +38,7 @@ ARCHS = tuple(SMEM_LIMIT)
 _POINTERS = {
     "idx": "*i32", "hcnt": "*i32", "codes": "*i8", "skv": "*fp32", "uq": "*fp16", "kbuf": "*bf16",
     "ubuf": "*bf16", "w": "*fp32", "pcum": "*fp32", "gbuf": "*fp16", "q0": "*fp32", "scratch": "*fp32",
+    "scratch16": "*fp16",
 }
 
 

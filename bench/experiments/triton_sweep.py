@@ -30,14 +30,14 @@ def parse(c):
 
 
 configs = [parse(c) for c in sys.argv[1:]] or [(None, None, "-")]
-_spec = importlib.util.spec_from_file_location("kernel_old", ".device/kernel_old.py")
-old = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(old)
 _base_constants = kk.kernel_constants
 
 
 def launcher(nw, mr, var):
     if var == "old":
+        spec = importlib.util.spec_from_file_location("kernel_old", ".device/kernel_old.py")
+        old = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old)
         return lambda p, ix: old.flush_pool(p, ix, num_warps=nw)
     if var.startswith("file:"):  # another version of leapquant_triton/kernel.py, e.g. from git show
         spec = importlib.util.spec_from_file_location("kernel_" + str(abs(hash(var))), var[5:])
