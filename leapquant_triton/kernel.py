@@ -166,89 +166,63 @@ def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_e, p_g, K: tl.constexpr, V
     b_qo = tl.load(p_uq + o_r[None, :] * (K + V) + K + o_v[:, None], mask=m_r[None, :], other=0.0)  # [V, BR]
     b_uo = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=m_r[:, None], other=0.0)  # [BR, K]
     b_s = tl.dot(b_qo, b_uo, acc=b_s)
-    b_w = tl.load(p_w + o_l, mask=m_l, other=0.0)  # [BL]
-    b_kd = tl.load(p_k + o_l[:, None] * K + o_k[None, :], mask=m_l[:, None], other=0.0).to(tl.float32)  # [BL, K]
     if IS_KDA:
         b_s *= tl.load(p_e + o_k)[None, :]  # exp(pcum), computed once per column by the caller
-        # d_j = prod_{i>j} gbuf[i], multiplied from i = L-1 down as the reference's reverse cumulative product: row
-        # i of gbuf is read into every row j < i of the tile (1 elsewhere). A tl.cumprod over the rows crosses the
-        # 8 warps through shared memory and barriers: 12 % of the kernel's stall samples on the H200.
-        b_d = tl.full([BL, K], 1.0, tl.float32)
-        for i in tl.static_range(L - 1, 0, -1):
-            b_gi = tl.load(p_g + i * K + o_l[:, None] * 0 + o_k[None, :], mask=o_l[:, None] < i, other=1.0)
-            b_d = b_d * b_gi.to(tl.float32)
-        b_kd = b_kd * b_d
     else:
         b_s *= tl.maximum(tl.load(p_pc), PNMIN)
-    b_kd = b_kd * b_w[:, None]
-    # the decayed keys as the exact sum of three bf16 pieces (8 + 8 + 8 significant bits): every product with the
-    # bf16 ubuf is exact in fp32; the small pieces go first
-    b_k1 = b_kd.to(tl.bfloat16)
-    b_r1 = b_kd - b_k1.to(tl.float32)
-    b_k2 = b_r1.to(tl.bfloat16)
-    b_k3 = (b_r1 - b_k2.to(tl.float32)).to(tl.bfloat16)
-    b_ut = tl.load(p_u + o_l[None, :] * V + o_v[:, None], mask=m_l[None, :], other=0.0)  # ubuf^T [V, BL], bf16
-    if BF16_DOTS:
-        b_s = tl.dot(b_ut, _pin(b_k3), acc=b_s)
-        b_s = tl.dot(b_ut, _pin(b_k2), acc=b_s)
-        b_s = tl.dot(b_ut, _pin(b_k1), acc=b_s)
-    else:  # the interpreter multiplies bf16 tiles as integers (Triton 3.6): the same exact products in fp32
-        b_ut = b_ut.to(tl.float32)
-        b_s = tl.dot(b_ut, b_k3.to(tl.float32), acc=b_s)
-        b_s = tl.dot(b_ut, b_k2.to(tl.float32), acc=b_s)
-        b_s = tl.dot(b_ut, b_k1.to(tl.float32), acc=b_s)
+    # the ring, 16 entries at a time (a [16, K] operand is replicated in every warp: at L = 32 whole-ring operands
+    # spilled)
+    o_16 = tl.arange(0, 16)
+    for c in tl.static_range(BL // 16):
+        o_j = c * 16 + o_16
+        m_j = o_j < L
+        b_kd = tl.load(p_k + o_j[:, None] * K + o_k[None, :], mask=m_j[:, None], other=0.0).to(tl.float32)  # [16, K]
+        if IS_KDA:
+            # d_j = prod_{i>j} gbuf[i], multiplied from i = L-1 down as the reference's reverse cumulative product:
+            # row i of gbuf is read into every row j < i of the tile (1 elsewhere). A tl.cumprod over the rows
+            # crosses the 8 warps through shared memory and barriers: 12 % of the kernel's stall samples on the H200.
+            b_d = tl.full([16, K], 1.0, tl.float32)
+            for i in tl.static_range(L - 1, c * 16, -1):
+                b_gi = tl.load(p_g + i * K + o_j[:, None] * 0 + o_k[None, :], mask=o_j[:, None] < i, other=1.0)
+                b_d = b_d * b_gi.to(tl.float32)
+            b_kd = b_kd * b_d
+        b_kd = b_kd * tl.load(p_w + o_j, mask=m_j, other=0.0)[:, None]
+        # the decayed keys as the exact sum of three bf16 pieces (8 + 8 + 8 significant bits): every product with
+        # the bf16 ubuf is exact in fp32; the small pieces go first
+        b_k1 = b_kd.to(tl.bfloat16)
+        b_r1 = b_kd - b_k1.to(tl.float32)
+        b_k2 = b_r1.to(tl.bfloat16)
+        b_k3 = (b_r1 - b_k2.to(tl.float32)).to(tl.bfloat16)
+        b_ut = tl.load(p_u + o_j[None, :] * V + o_v[:, None], mask=m_j[None, :], other=0.0)  # ubuf^T [V, 16], bf16
+        if BF16_DOTS:
+            b_s = tl.dot(b_ut, _pin(b_k3), acc=b_s)
+            b_s = tl.dot(b_ut, _pin(b_k2), acc=b_s)
+            b_s = tl.dot(b_ut, _pin(b_k1), acc=b_s)
+        else:  # the interpreter multiplies bf16 tiles as integers (Triton 3.6): the same exact products in fp32
+            b_ut = b_ut.to(tl.float32)
+            b_s = tl.dot(b_ut, b_k3.to(tl.float32), acc=b_s)
+            b_s = tl.dot(b_ut, b_k2.to(tl.float32), acc=b_s)
+            b_s = tl.dot(b_ut, b_k1.to(tl.float32), acc=b_s)
     return b_s
 
 
 @triton.jit
-def leapquant_flush_kernel(
-    idx,  # int32 [N]
-    hcnt,  # int32 [NS, HV]
-    codes,  # int8 view of the pool: region (n, h) at byte n * 4 SS + h * 4 V K
-    skv,  # fp32 view: s_k [K] | s_v [V] at word n * SS + h * V K
-    uq,  # fp16 view: uq [R, K + V] at half n * 2 SS + h * 2 V K
-    kbuf,  # bf16 [NS, HV, L, K]
-    ubuf,  # bf16 [NS, HV, L, V]
-    w,  # fp32 [NS, HV, L]
-    pcum,  # fp32 [NS, HV, K] (KDA) or [NS, HV, 1] (GDN)
-    gbuf,  # fp16 [NS, HV, L, K] (KDA); any pointer for GDN, never read
-    q0,  # fp32 [V, R]
-    scratch,  # fp32 [N * HV, SCR]: per-program words for Y / Q [V, 4], the Gram matrices, c, fp16(Q) (scratch_words)
-    scratch16,  # the same words as fp16
-    NS,
-    HV,
-    SS,  # slot stride of the pool in fp32 words, (HV + 1) V K
-    FIRST: tl.constexpr,  # smallest real slot: 1 (vLLM) or 0 (SGLang)
-    K: tl.constexpr,
-    V: tl.constexpr,
-    L: tl.constexpr,
-    R: tl.constexpr,
-    BL: tl.constexpr,
-    BR: tl.constexpr,
-    ITERS: tl.constexpr,
-    IS_KDA: tl.constexpr,
-    SCR: tl.constexpr,
-    BF16_DOTS: tl.constexpr,  # False under the interpreter (its bf16 dot is wrong): the ring's pieces go as fp32
-):
-    i_n, i_h = tl.program_id(0), tl.program_id(1)
-    i_s = tl.load(idx + i_n).to(tl.int64)
-    if (i_s < FIRST) | (i_s >= NS):
-        return
-    # (slot, head) row of the dense buffers; int64: NS * HV * L * K passes 2^31 at a few thousand slots
-    i_sh = i_s * HV + i_h
-    if tl.load(hcnt + i_sh) != L:
-        return
-
+def _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, scratch, scratch16, HV, SS,
+               K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr,
+               BR: tl.constexpr, ITERS: tl.constexpr, IS_KDA: tl.constexpr, SCR: tl.constexpr,
+               BF16_DOTS: tl.constexpr):
+    """The flush of one due (slot ``i_s``, head ``i_h``) in place; ``i_sh = i_s HV + i_h`` is its row of the dense
+    buffers, ``o_scr`` the first of the program's scratch words (int64)."""
     o_k, o_v, o_l, o_r, m_l, m_r = _ranges(K, V, L, R, BL, BR)
     # region of (slot, head) in words; the pool passes 2^31 bytes at ~1000 slots of 32 heads
     o_reg = i_s * SS + i_h * (V * K)
 
     # the program's scratch words (scratch_words): Y / Q [V, 4] (later 1 / s_k), the Gram matrices, c, fp16(Q)
     # [V, 4], exp(pcum) [K] (later the column sums of |E|)
-    p_y = scratch + (i_n.to(tl.int64) * HV + i_h) * SCR
+    p_y = scratch + o_scr
     p_gram = p_y + 4 * V
     p_cn = p_gram + 32 * ITERS
-    p_q16 = scratch16 + ((i_n.to(tl.int64) * HV + i_h) * SCR + 32 * ITERS + 4 * V + 4) * 2
+    p_q16 = scratch16 + (o_scr + 32 * ITERS + 4 * V + 4) * 2
     p_e = p_cn + 4 + 2 * V
     # fp16(Q0) and, for KDA, the per-column decay exp(pcum): computed once per value here, read back in the layouts
     # that use them (in the state's layout every thread would compute 32 of each)
@@ -339,6 +313,91 @@ def leapquant_flush_kernel(
         tl.store(pcum + i_sh, 1.0)
 
 
+
+@triton.jit
+def leapquant_flush_kernel(
+    idx,  # int32 [N]
+    hcnt,  # int32 [NS, HV]
+    codes,  # int8 view of the pool: region (n, h) at byte n * 4 SS + h * 4 V K
+    skv,  # fp32 view: s_k [K] | s_v [V] at word n * SS + h * V K
+    uq,  # fp16 view: uq [R, K + V] at half n * 2 SS + h * 2 V K
+    kbuf,  # bf16 [NS, HV, L, K]
+    ubuf,  # bf16 [NS, HV, L, V]
+    w,  # fp32 [NS, HV, L]
+    pcum,  # fp32 [NS, HV, K] (KDA) or [NS, HV, 1] (GDN)
+    gbuf,  # fp16 [NS, HV, L, K] (KDA); any pointer for GDN, never read
+    q0,  # fp32 [V, R]
+    scratch,  # fp32 [programs, SCR]: per-program words for Y / Q, the Gram matrices, c, fp16(Q) (scratch_words)
+    scratch16,  # the same words as fp16
+    NS,
+    HV,
+    SS,  # slot stride of the pool in fp32 words, (HV + 1) V K
+    FIRST: tl.constexpr,  # smallest real slot: 1 (vLLM) or 0 (SGLang)
+    K: tl.constexpr,
+    V: tl.constexpr,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BL: tl.constexpr,
+    BR: tl.constexpr,
+    ITERS: tl.constexpr,
+    IS_KDA: tl.constexpr,
+    SCR: tl.constexpr,
+    BF16_DOTS: tl.constexpr,  # False under the interpreter (its bf16 dot is wrong): the ring's pieces go as fp32
+):
+    """Grid ``(N, HV)``: program (n, h) flushes (idx[n], h) if it is due and returns otherwise."""
+    i_n, i_h = tl.program_id(0), tl.program_id(1)
+    i_s = tl.load(idx + i_n).to(tl.int64)
+    if (i_s < FIRST) | (i_s >= NS):
+        return
+    # (slot, head) row of the dense buffers; int64: NS * HV * L * K passes 2^31 at a few thousand slots
+    i_sh = i_s * HV + i_h
+    if tl.load(hcnt + i_sh) != L:
+        return
+    _flush_one((i_n.to(tl.int64) * HV + i_h) * SCR, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0,
+               scratch, scratch16, HV, SS, K, V, L, R, BL, BR, ITERS, IS_KDA, SCR, BF16_DOTS)
+
+
+@triton.jit
+def due_list_kernel(idx, hcnt, work, NS, HV, FIRST: tl.constexpr, L: tl.constexpr, HB: tl.constexpr):
+    """Grid ``(N,)``: appends the due (slot, head) pairs of row ``n`` as ``slot HV + head`` to ``work[1:]`` and counts
+    them in ``work[0]`` (zero before the launch): one atomic add per row, the positions within it by a prefix sum."""
+    i_n = tl.program_id(0)
+    i_s = tl.load(idx + i_n).to(tl.int64)
+    o_h = tl.arange(0, HB)
+    m_h = (o_h < HV) & (i_s >= FIRST) & (i_s < NS)
+    b_due = (tl.load(hcnt + i_s * HV + o_h, mask=m_h, other=0) == L).to(tl.int32)
+    n_due = tl.sum(b_due, axis=0)
+    if n_due > 0:
+        base = tl.atomic_add(work, n_due)
+        tl.store(work + 1 + base + tl.cumsum(b_due, axis=0) - b_due, (i_s * HV + o_h).to(tl.int32), mask=b_due > 0)
+
+
+@triton.jit
+def leapquant_flush_list_kernel(
+    work, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, scratch, scratch16, HV, SS,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    L: tl.constexpr,
+    R: tl.constexpr,
+    BL: tl.constexpr,
+    BR: tl.constexpr,
+    ITERS: tl.constexpr,
+    IS_KDA: tl.constexpr,
+    SCR: tl.constexpr,
+    BF16_DOTS: tl.constexpr,
+):
+    """Grid ``(N HV,)``: program p flushes the due pair ``work[1 + p]`` listed by :func:`due_list_kernel`, or
+    returns after one load when p >= ``work[0]`` (arguments as :func:`leapquant_flush_kernel`). The due programs
+    come first in launch order; the rest cost one load each, after them."""
+    pid = tl.program_id(0)
+    if pid >= tl.load(work):
+        return
+    i_sh = tl.load(work + 1 + pid).to(tl.int64)
+    i_s = i_sh // HV
+    _flush_one(pid.to(tl.int64) * SCR, i_sh - i_s * HV, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0,
+               scratch, scratch16, HV, SS, K, V, L, R, BL, BR, ITERS, IS_KDA, SCR, BF16_DOTS)
+
+
 def num_warps_for(head_k: int, head_v: int) -> int:
     """Warps per program. The [V, K] fp32 state costs V K / (32 num_warps) registers per thread: 64 at 128 x 128
     with 8 warps. 64 x 64 fits 4 warps (32 per thread); 128 x 64 at 4 warps spilled (sm_80, sm_90), so it takes 8."""
@@ -405,10 +464,25 @@ def mma_sync_only():
                     os.environ[k] = v
 
 
-def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: int | None = None) -> None:
-    """Launch the flush over ``idx`` (int32 ``[N]``) on ``pool`` in place: grid ``(N, HV)``, no host synchronisation,
-    the same launch for the same pool and ``N``. ``num_warps`` and ``maxnreg`` override the tuned defaults (for
-    experiments; ``maxnreg=0`` lifts the cap)."""
+def schedule_for(rows: int, heads: int) -> str:
+    """The schedule :func:`flush_pool` takes for ``rows`` x ``heads`` programs (the host knows ``N``, not how many are
+    due). Measured on the H200 (bench/NOTES.md, KDA 128 x 128): a program that is not due still holds an SM slot for
+    two dependent loads, 18 us for 8,192 of them with none due; the list's two extra launches cost ~4.4 us on small
+    flushes (one program: 19.6 against 15.2 us). At 256 x 32 the list is faster all due (502.5 against 514.3 us) and
+    at 1/16 due (47.2 against 58.6 us); the break-even is near 2,000 programs."""
+    return "list" if rows * heads >= 2048 else "grid"
+
+
+def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: int | None = None,
+               schedule: str | None = None) -> None:
+    """Launch the flush over ``idx`` (int32 ``[N]``) on ``pool`` in place, with no host synchronisation and the same
+    launches for the same pool and ``N``.
+
+    ``schedule="grid"``: one program per (row, head), grid ``(N, HV)``; a program that is not due returns after reading
+    ``idx`` and ``hcnt``. ``"list"``: :func:`due_list_kernel` lists the due pairs first, and program p of the flush
+    takes pair p: the due programs are launched first, the others return after one load. The default is
+    :func:`schedule_for`; ``schedule``, ``num_warps`` and ``maxnreg`` override the tuned defaults (for experiments;
+    ``maxnreg=0`` lifts the cap)."""
     g = pool.geometry
     N = idx.numel()
     if N == 0:
@@ -416,28 +490,28 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
     gbuf = pool.gbuf if pool.gbuf is not None else pool.w  # GDN never reads it
     nw = num_warps or num_warps_for(g.head_k, g.head_v)
     cap = maxnreg if maxnreg is not None else maxnreg_for(nw)
-    # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch their own
-    scratch = torch.empty(N * g.heads * scratch_words(g.head_k, g.head_v, pool.iters), dtype=torch.float32, device=idx.device)
+    consts = kernel_constants(g, pool.convention, pool.iters)
+    scr = consts["SCR"]
+    schedule = schedule or schedule_for(N, g.heads)
+    pointers = dict(codes=pool.codes, skv=pool.s_kv, uq=pool.uq, kbuf=pool.kbuf, ubuf=pool.ubuf, w=pool.w,
+                    pcum=pool.pcum, gbuf=gbuf, q0=pool.q0)
+    launch = dict(num_warps=nw, num_stages=1, **({"maxnreg": cap} if cap else {}))
     with mma_sync_only():
-        leapquant_flush_kernel[(N, g.heads)](
-            idx=idx,
-            hcnt=pool.hcnt,
-            codes=pool.codes,
-            skv=pool.s_kv,
-            uq=pool.uq,
-            kbuf=pool.kbuf,
-            ubuf=pool.ubuf,
-            w=pool.w,
-            pcum=pool.pcum,
-            gbuf=gbuf,
-            q0=pool.q0,
-            scratch=scratch,
-            scratch16=scratch.view(torch.float16),
-            NS=g.num_slots,
-            HV=g.heads,
-            SS=g.slot_stride,
-            **kernel_constants(g, pool.convention, pool.iters),
-            num_warps=nw,
-            num_stages=1,
-            **({"maxnreg": cap} if cap else {}),
-        )
+        if schedule == "grid":
+            # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch
+            # their own words
+            scratch = torch.empty(N * g.heads * scr, dtype=torch.float32, device=idx.device)
+            leapquant_flush_kernel[(N, g.heads)](
+                idx=idx, hcnt=pool.hcnt, **pointers, scratch=scratch, scratch16=scratch.view(torch.float16),
+                NS=g.num_slots, HV=g.heads, SS=g.slot_stride, **consts, **launch)
+        elif schedule == "list":
+            scratch = torch.empty(N * g.heads * scr, dtype=torch.float32, device=idx.device)
+            work = torch.empty(1 + N * g.heads, dtype=torch.int32, device=idx.device)
+            work[:1].zero_()
+            due_list_kernel[(N,)](idx, pool.hcnt, work, g.num_slots, g.heads, FIRST=consts.pop("FIRST"), L=g.ring,
+                                  HB=triton.next_power_of_2(g.heads), num_warps=1)
+            leapquant_flush_list_kernel[(N * g.heads,)](
+                work=work, **pointers, scratch=scratch, scratch16=scratch.view(torch.float16), HV=g.heads,
+                SS=g.slot_stride, **consts, **launch)
+        else:
+            raise ValueError(f"schedule must be 'grid' or 'list', not {schedule!r}")

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from leapquant.pool import Geometry
 
 from .backend import SUPPORTED_CAPABILITIES
-from .kernel import kernel_constants, leapquant_flush_kernel, maxnreg_for, mma_sync_only, num_warps_for
+from .kernel import (kernel_constants, leapquant_flush_kernel, leapquant_flush_list_kernel, maxnreg_for,
+                     mma_sync_only, num_warps_for)
 
 # shared memory per block (opt-in maximum), bytes, from the CUDA programming guide's table of compute capabilities
 SMEM_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
@@ -33,6 +34,8 @@ MAX_REGS = 255
 # The 4-warp programs (64 x 64) do not spill.
 MAX_SPILL_BYTES = 2048
 ARCHS = tuple(SMEM_LIMIT)
+# both flush kernels of the backend (kernel.flush_pool's two schedules)
+KERNELS = ("grid", "list")
 
 # pointer arguments in kernel order, with their element types
 _POINTERS = {
@@ -73,6 +76,7 @@ QUICK_SHAPES = SHAPES[:1] + SHAPES[2:3]
 class Report:
     arch: int
     shape: Shape
+    kernel: str
     num_warps: int
     ok: bool
     regs: int = -1
@@ -83,9 +87,9 @@ class Report:
 
     def line(self) -> str:
         if self.error:
-            return f"sm_{self.arch:<4} {str(self.shape):<26} FAIL  {self.error}"
+            return f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<4} FAIL  {self.error}"
         flag = "ok  " if self.ok else "FAIL"
-        return (f"sm_{self.arch:<4} {str(self.shape):<26} {flag}  warps {self.num_warps:2d}  regs {self.regs:3d}/{MAX_REGS}  "
+        return (f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<4} {flag}  warps {self.num_warps:2d}  regs {self.regs:3d}/{MAX_REGS}  "
                 f"spill {self.spill_bytes:4d} B  smem {self.smem / 1024:6.1f}/{SMEM_LIMIT[self.arch] >> 10} KiB  "
                 f"({self.seconds:.1f} s)")
 
@@ -108,8 +112,11 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
     return regs, spills, int(m.group(1)) if m else 0
 
 
-def compile_one(arch: int, shape: Shape, num_warps: int | None = None, maxnreg: int | None = None) -> Report:
-    """Compile the kernel for ``sm_<arch>`` at ``shape`` and check it against the architecture's limits."""
+def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | None = None,
+                maxnreg: int | None = None) -> Report:
+    """Compile one of the flush kernels (``kernel``: ``"grid"``, :func:`leapquant_flush_kernel`, or ``"list"``,
+    :func:`leapquant_flush_list_kernel`) for ``sm_<arch>`` at ``shape`` and check it against the architecture's
+    limits."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -120,13 +127,21 @@ def compile_one(arch: int, shape: Shape, num_warps: int | None = None, maxnreg: 
     nw = num_warps or num_warps_for(shape.head_k, shape.head_v)
     maxnreg = maxnreg if maxnreg is not None else maxnreg_for(nw)  # the backend's launch
     constexprs = kernel_constants(geo, "vllm", shape.iters)
-    signature = dict(_POINTERS, NS="i32", HV="i32", SS="i32")
+    if kernel == "grid":
+        fn, pointers = leapquant_flush_kernel, _POINTERS
+        signature = dict(pointers, NS="i32", HV="i32", SS="i32")
+    elif kernel == "list":
+        fn = leapquant_flush_list_kernel
+        pointers = {"work": "*i32", **{k: v for k, v in _POINTERS.items() if k not in ("idx", "hcnt")}}
+        signature = dict(pointers, HV="i32", SS="i32")
+        constexprs.pop("FIRST")
+    else:
+        raise ValueError(f"kernel must be 'grid' or 'list', not {kernel!r}")
     signature.update({k: "constexpr" for k in constexprs})
     # every pointer of a pool is 16-byte aligned (torch allocations; the raw views start at multiples of 16 bytes)
-    fn = leapquant_flush_kernel
-    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in _POINTERS}
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in pointers}
     t0 = time.time()
-    rep = Report(arch, shape, nw, ok=False)
+    rep = Report(arch, shape, kernel, nw, ok=False)
     try:
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         with mma_sync_only():  # the build the backend launches (see flush_pool)
@@ -147,10 +162,11 @@ def check(archs=ARCHS, shapes=SHAPES, out=sys.stdout) -> list[Report]:
     reports = []
     for arch in archs:
         for shape in shapes:
-            rep = compile_one(arch, shape)
-            claimed = arch in SUPPORTED_CAPABILITIES
-            print(rep.line() + ("" if claimed else "  (not claimed)"), file=out, flush=True)
-            reports.append(rep)
+            for kernel in KERNELS:
+                rep = compile_one(arch, shape, kernel)
+                claimed = arch in SUPPORTED_CAPABILITIES
+                print(rep.line() + ("" if claimed else "  (not claimed)"), file=out, flush=True)
+                reports.append(rep)
     return reports
 
 

@@ -25,6 +25,7 @@ from leapquant.constants import EPS
 triton = pytest.importorskip("triton")
 
 from leapquant_triton.backend import TritonBackend  # noqa: E402
+from leapquant_triton.kernel import flush_pool, schedule_for  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = TritonBackend()
@@ -93,8 +94,10 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8) if t.dtype != torch.uint8 else t
 
 
-def _check_flush(pool, idx: list[int], due_progs: list[tuple[int, int]], scale: float = 1.0) -> dict:
-    """Flush ``idx`` with the Triton backend and check parity, untouched bytes and resets; returns statistics."""
+def _check_flush(pool, idx: list[int], due_progs: list[tuple[int, int]], scale: float = 1.0,
+                 schedule: str | None = None) -> dict:
+    """Flush ``idx`` with the Triton backend (its default schedule, or ``schedule``: kernel.flush_pool's "grid" or
+    "list") and check parity, untouched bytes and resets; returns statistics."""
     before = _snapshot(pool)
     slots = torch.tensor([s for s, _ in due_progs], dtype=torch.long)
     heads = torch.tensor([h for _, h in due_progs], dtype=torch.long)
@@ -106,7 +109,11 @@ def _check_flush(pool, idx: list[int], due_progs: list[tuple[int, int]], scale: 
     err_ref = ref.relative_error(ref.reconstruct(*want), S64)
 
     raw_ptr = pool.raw.data_ptr()
-    BACKEND.flush(pool, torch.tensor(idx, dtype=torch.int32, device=pool.device))
+    idx_t = torch.tensor(idx, dtype=torch.int32, device=pool.device)
+    if schedule is None:
+        BACKEND.flush(pool, idx_t)
+    else:
+        flush_pool(pool, idx_t, schedule=schedule)
     assert pool.raw.data_ptr() == raw_ptr
 
     got = tuple(t[slots, heads].cpu() for t in (pool.codes, pool.s_k, pool.s_v, pool.u, pool.q))
@@ -167,25 +174,29 @@ SHAPES = [
     (128, 64, 32, 1, "gdn", 1),
     (128, 64, 16, 3, "kda", 1),
     (64, 128, 16, 4, "gdn", 1),
+    (64, 64, 32, 2, "kda", 1),  # the ring in two chunks of 16 entries, decays across them
 ]
 
 
+@pytest.mark.parametrize("schedule", ["grid", "list"])
 @pytest.mark.parametrize("head_k,head_v,ring,rank,gate,iters", SHAPES,
                          ids=[f"{g}-K{k}V{v}-L{l}-R{r}-it{i}" for k, v, l, r, g, i in SHAPES])
-def test_shapes_parity_untouched_resets(head_k, head_v, ring, rank, gate, iters):
-    """Rows: a due slot, padding, a slot with a due and a non-due head, a due slot named by no row (untouched)."""
+def test_shapes_parity_untouched_resets(head_k, head_v, ring, rank, gate, iters, schedule):
+    """Rows: a due slot, padding, a slot with a due and a non-due head, a due slot named by no row (untouched); both
+    schedules of the launcher (one program per (row, head), or the due list first)."""
     pool, g = _pool(heads=2, head_k=head_k, head_v=head_v, ring=ring, rank=rank, gate=gate, iters=iters,
                     seed=hash((head_k, head_v, ring, rank, gate, iters)) % 1000)
     for s, h in [(1, 0), (1, 1), (3, 1), (4, 0)]:
         _fill_program(pool, s, h, g)
     # slot 4 is due but no row names it; slot 3 head 0 is not due (random hcnt), slot 2 is not due at all
-    stats = _check_flush(pool, idx=[3, 0, 1, 2], due_progs=[(1, 0), (1, 1), (3, 1)])
+    stats = _check_flush(pool, idx=[3, 0, 1, 2], due_progs=[(1, 0), (1, 1), (3, 1)], schedule=schedule)
     assert stats["code_max"] <= 127
 
 
+@pytest.mark.parametrize("schedule", ["grid", "list"])
 @pytest.mark.parametrize("heads", [1, 3])
 @pytest.mark.parametrize("convention", ["vllm", "sglang"])
-def test_heads_and_conventions(heads, convention):
+def test_heads_and_conventions(heads, convention, schedule):
     """Odd head counts; slot 0 is real only under SGLang, padding is 0 (vLLM) or -1 (SGLang); out-of-range rows
     are skipped by the kernel itself (flush with check=False does not filter them)."""
     pool, g = _pool(heads=heads, convention=convention, num_slots=4, seed=heads)
@@ -194,7 +205,30 @@ def test_heads_and_conventions(heads, convention):
         _fill_program(pool, s, h, g)
     pad = 0 if convention == "vllm" else -1
     due = [p for p in progs if p[0] != 0 or convention == "sglang"]
-    _check_flush(pool, idx=[pad, 2, 0 if convention == "sglang" else pad, 4, 2 ** 31 - 1, -7], due_progs=due)
+    _check_flush(pool, idx=[pad, 2, 0 if convention == "sglang" else pad, 4, 2 ** 31 - 1, -7], due_progs=due,
+                 schedule=schedule)
+
+
+def test_schedules_agree_bytewise():
+    """The two schedules run the same program body: from the same pool they leave the same bytes everywhere; and
+    the default picks the list only for large flushes."""
+    pool, g = _pool(heads=3, head_k=64, head_v=64, ring=16, rank=3, gate="kda", seed=21)
+    for s, h in [(1, 0), (1, 2), (2, 1), (4, 0), (4, 1), (4, 2)]:
+        _fill_program(pool, s, h, g)
+    idx = torch.tensor([4, 0, 1, 3, 2], dtype=torch.int32, device=pool.device)
+    out = {}
+    for schedule in ("grid", "list"):
+        p = leapquant.Pool(pool.num_slots, 3, 64, 64, 16, 3, gate="kda", device=DEVICE)
+        for name, t in _snapshot(pool).items():
+            getattr(p, name).copy_(t)
+        flush_pool(p, idx, schedule=schedule)
+        out[schedule] = _snapshot(p)
+    for name in out["grid"]:
+        assert torch.equal(_bytes(out["grid"][name].cpu()), _bytes(out["list"][name].cpu())), name
+    assert not torch.equal(_bytes(out["grid"]["raw"].cpu()), _bytes(pool.raw.cpu()))  # the flush did something
+    assert schedule_for(8, 32) == "grid" and schedule_for(256, 32) == "list"
+    with pytest.raises(ValueError, match="schedule"):
+        flush_pool(pool, idx, schedule="persistent")
 
 
 def test_zero_state_and_empty_ring():

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler")
 
 from leapquant_triton.backend import SUPPORTED_CAPABILITIES  # noqa: E402
-from leapquant_triton.portability import MAX_SPILL_BYTES  # noqa: E402
+from leapquant_triton.portability import KERNELS, MAX_SPILL_BYTES  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,9 +36,9 @@ def test_claimed_architectures_fit():
     res = _run("--quick", "--arch", ",".join(map(str, SUPPORTED_CAPABILITIES)))
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("sm_")]
-    assert len(rows) == 2 * len(SUPPORTED_CAPABILITIES), res.stdout
+    assert len(rows) == 2 * len(KERNELS) * len(SUPPORTED_CAPABILITIES), res.stdout
     for line in rows:
-        m = re.search(r" ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B +smem +([\d.]+)/(\d+) KiB", line)
+        m = re.search(r" (?:grid|list) +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B +smem +([\d.]+)/(\d+) KiB", line)
         assert m, line
         regs, spill, smem, limit = int(m[1]), int(m[2]), float(m[3]), int(m[4])
         assert 0 < regs <= 255 and spill <= MAX_SPILL_BYTES and 0 < smem <= limit, line
