@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 # Compute capabilities the kernel is claimed for; ``python -m leapquant_triton.portability`` compiles each one ahead
 # of time and fails CI if it does not fit that architecture's registers and shared memory. Every target takes the
 # ``mma.sync`` lowering of ``tl.dot`` (kernel.mma_sync_only: Hopper's wgmma path miscompiles this kernel, and
-# Blackwell's tcgen05 path crashes Triton 3.6's TritonNvidiaGPUOptimizeTMemLayoutsPass). Not claimed: sm_75 (no tf32
-# tensor cores for the ring product: Triton falls back to FMA dots and spills 1-32 KB).
+# Blackwell's tcgen05 path crashes Triton 3.6's TritonNvidiaGPUOptimizeTMemLayoutsPass). Not claimed: sm_75 (no bf16
+# tensor cores for the ring and column-sum products: Triton falls back to FMA dots and spills 1-24 KB).
 SUPPORTED_CAPABILITIES = (80, 86, 89, 90, 100, 120)
 
 
@@ -44,7 +44,7 @@ class TritonBackend(Backend):
         rings=SUPPORTED_RINGS,
         ranks=SUPPORTED_RANKS,
         notes=(
-            "sm_75 is not claimed: no tf32 tensor cores for the ring product",
+            "sm_75 is not claimed: no bf16 tensor cores for the ring and column-sum products",
             "CPU runs only through the Triton interpreter (TRITON_INTERPRET=1), for tests",
         ),
     )
@@ -69,7 +69,7 @@ class TritonBackend(Backend):
         if pool.device.type == "cuda" and _interpreting():
             return False, "TRITON_INTERPRET=1 is set: the interpreter cannot run on CUDA tensors at speed; unset it"
         if pool.device.type == "cuda" and capability(pool.device) < 80:
-            return False, f"needs sm_80 or newer (tf32 tensor cores); this GPU is sm_{capability(pool.device)}"
+            return False, f"needs sm_80 or newer (bf16 tensor cores); this GPU is sm_{capability(pool.device)}"
         if not 1 <= pool.iters <= self.max_iters:
             return False, f"iters={pool.iters} not supported (1..{self.max_iters})"
         return self.requirements.check(pool)

@@ -1,35 +1,43 @@
-"""The LeapQuant flush as one Triton kernel (SPEC §3), and its launcher.
+"""The LeapQuant flush as Triton kernels (SPEC §3), and their launcher.
 
-One program per (row ``n`` of ``idx``, head ``h``): grid ``(N, HV)``. A program that is not due (SPEC §2) returns
-after reading ``idx[n]`` and ``hcnt[idx[n], h]``; a due program keeps the state ``S [V, K]`` in registers from the
-rebuild to the quantisation and writes the new checkpoint and the ring resets in place.
+One program per due (slot, head), the state ``S [V, K]`` in registers from the rebuild to the quantisation; the new
+checkpoint and the ring resets are written in place. Two schedules find the due pairs (:func:`flush_pool`):
 
-Legend of the kernel's block values (``b_`` prefix), shapes in SPEC letters, ``BR`` = rank padded to 16 and ``BL`` =
-ring padded to 16 (``tl.dot`` needs every dimension >= 16; padded rows and columns are zero):
+    grid   :func:`leapquant_flush_kernel`, grid ``(N, HV)``: a program that is not due returns after reading
+           ``idx[n]`` and ``hcnt[idx[n], h]`` (two dependent loads, while holding an SM slot)
+    list   :func:`due_list_kernel` lists the due pairs, then :func:`leapquant_flush_list_kernel`, grid ``(N HV,)``:
+           program p takes the p-th due pair, so the due programs are launched first; for large flushes
+
+Legend of the block values (``b_`` prefix), shapes in SPEC letters, ``BR`` = rank padded to 16 and ``BL`` = ring
+padded to 16 (``tl.dot`` needs every dimension >= 16; padded rows and columns are zero):
 
     b_s    [V, K]  fp32  the rebuilt state S, then the residual E, then X = E / s_k
     b_sh   [V, K]  fp16  the normalised state Sn = c S (c a power of two, max|Sn| in [0.5, 1)), subspace operand
-    b_q    [V, BR] fp32  the subspace basis Q; b_q16 = fp16(Q) is what is stored
+    b_q16  [V, BR] fp16  the subspace basis fp16(Q), what the products take and the checkpoint stores
     b_ut16 [BR, K] fp16  U^T = (S^T q16)^T saturated at +-65504, the layout of uq's rows
 
-Every product with a contraction over V or K is a ``tl.dot``; CholeskyQR2 works in the program's scratch words:
+Every product with a contraction over V, K or the ring is a ``tl.dot``; small values go through the program's
+scratch words (global memory, L1/L2-resident), so that they are computed once rather than in every thread:
 
-    Lo         tl.dot fp16 x fp16 -> fp32 onto Dq: exact products of the stored factors
-    ring       two tl.dot tf32 (fp32 accumulate): ubuf is bf16, exact in tf32; the decayed keys w_j kbuf[j] d_j are
-               split into tf32 big + small parts, 22 bits. (bf16 pieces would halve the operand registers, but the
-               interpreter of Triton 3.6 miscomputes bf16 dots, so the CI could not check that path.)
-    P, Y       tl.dot fp16 x fp16 -> fp32 on Sn, P rounded to fp16 between the products: the seed's numerics (mean
-               ratio 1.0005 to the reference; bf16 here measured 1.04 on states with a few large columns, a fail)
+    Lo         fp16 x fp16 -> fp32 onto Dq: exact products of the stored factors
+    ring       16 entries at a time, bf16 ubuf x the decayed keys as three bf16 pieces (8 + 8 + 8 bits, their sum
+               exact): exact products, fp32 accumulation. The KDA decays are row products in the reference's order.
+               (The interpreter of Triton 3.6 multiplies bf16 tiles as integers; there the same pieces go as fp32.)
+    P, Y       fp16 x fp16 -> fp32 on Sn, P rounded to fp16 between the products: the seed's numerics (mean ratio
+               1.0005 to the reference; bf16 here measured 1.04 on states with a few large columns, a fail)
     CholQR2    Y's 4 leading columns go to scratch; the 4 x 4 Gram matrix is a broadcast product summed over V in
-               fp32; each thread reads it back as scalars and factorises it itself (no reduction per entry); the
-               forward substitution runs on [V] columns, in the reference's order
-    U          tl.dot fp16 x fp16 on Sn, as the seed; the residual is taken against the fp32 S
-    q16 u16^T  tl.dot fp16 x fp16 -> fp32 onto S: exact products of the stored factors, R <= 4 terms
+               fp32; each thread reads it back as scalars and factorises it itself, with fast square roots and
+               reciprocals (within 2 ulp of the reference's IEEE operations); the forward substitution runs on [V]
+               columns, in the reference's order
+    U          fp16 x fp16 on Sn, as the seed; the residual is taken against the fp32 S
+    q16 u16^T  fp16 x fp16 -> fp32 onto S: exact products of the stored factors, R <= 4 terms
+    s_k        the column sums of |E| as bf16 |E|^T x ones (as the seed takes them on the tensor cores): s_k moves
+               by at most 2^-10 relative, which the codes absorb
 
 Every ``tl.dot`` is compiled to ``mma.sync`` (:func:`mma_sync_only`; Hopper's ``wgmma`` build of this kernel is
-wrong on the H200). Resources (``python -m leapquant_triton.portability``): at 128 x 128 the kernel runs 8 warps
-capped at 128 registers (two programs per SM; ~1 KB of spills), 32 KiB of shared memory. Measurements and the way
-there are in bench/NOTES.md.
+wrong on the H200). Resources (``python -m leapquant_triton.portability``): at 128 x 128 a program is 8 warps capped
+at 128 registers (two programs per SM; 0.2-0.4 KB of spills at ring 16), 36 KiB of shared memory. Measurements and
+the way there are in bench/NOTES.md.
 """
 
 from __future__ import annotations

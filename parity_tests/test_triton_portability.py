@@ -45,7 +45,7 @@ def test_claimed_architectures_fit():
 
 
 def test_unclaimed_target_reported_not_failed():
-    """sm_75 (no tf32 tensor cores: FMA dots that spill) is compiled and reported as not fitting, and does not fail
+    """sm_75 (no bf16 tensor cores: FMA dots that spill) is compiled and reported as not fitting, and does not fail
     the check because the backend does not claim it."""
     assert 75 not in SUPPORTED_CAPABILITIES
     res = _run("--quick", "--arch", "75")

@@ -1,7 +1,8 @@
 # experiment: where the Triton flush's time goes at small and sparse batches (bench/experiments/README.md): KDA
 # 257 x 32 pool, the flush timed on (rows, due programs) cases from one program to all due, and with nothing due
 # (the cost of the (row, head) programs that only read idx and hcnt). Graph replays, L2 evicted, medians.
-# Usage: python bench/experiments/triton_latency.py [file:PATH ...]  (other kernel.py copies to time beside it)
+# Usage: python bench/experiments/triton_latency.py [grid|list|file:PATH ...]  (the default schedule, then each named
+# schedule of the working tree's kernel or another kernel.py copy, timed beside it)
 import importlib.util
 import statistics
 import sys
@@ -22,8 +23,11 @@ evict = Evictor(dev)
 
 
 def launchers():
-    yield "committed", kk.flush_pool
+    yield "default", kk.flush_pool
     for arg in sys.argv[1:]:
+        if arg in ("grid", "list"):  # the working tree's kernel with this schedule
+            yield arg, lambda p, ix, s=arg: kk.flush_pool(p, ix, schedule=s)
+            continue
         spec = importlib.util.spec_from_file_location("kernel_" + str(abs(hash(arg))), arg[5:])
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)

@@ -1,8 +1,8 @@
 # experiment: builds of the Triton kernel on the GPU: parity on four regimes, eager determinism, graph == eager, and
 # the time at 256 x 32 all due and 1/16 due beside the floor (bench/experiments/README.md).
 # Usage: python bench/experiments/triton_sweep.py [nw:maxnreg:variant ...]; "-" for the default; variant "old" is the
-# kernel of commit ff82b6e copied to .device/kernel_old.py, "file:PATH" another copy of kernel.py (git show), any
-# other variant is a dict of extra constexprs
+# kernel of commit ff82b6e copied to .device/kernel_old.py, "file:PATH" another copy of kernel.py (git show), "grid"
+# or "list" the working tree's kernel with that schedule, any other variant a dict of extra constexprs
 import copy
 import statistics
 import sys
@@ -39,6 +39,8 @@ def launcher(nw, mr, var):
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
         return lambda p, ix: old.flush_pool(p, ix, num_warps=nw)
+    if var in ("grid", "list"):  # the working tree's kernel with this schedule (kernel.flush_pool)
+        return lambda p, ix: flush_pool(p, ix, num_warps=nw, maxnreg=mr, schedule=var)
     if var.startswith("file:"):  # another version of leapquant_triton/kernel.py, e.g. from git show
         spec = importlib.util.spec_from_file_location("kernel_" + str(abs(hash(var))), var[5:])
         mod = importlib.util.module_from_spec(spec)
