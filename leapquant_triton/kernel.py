@@ -107,9 +107,22 @@ def _cholesky(p_y, p_g, V: tl.constexpr, R: tl.constexpr):
 
 
 @triton.jit
+def _store_columns(p, o_v, q0, q1, q2, q3, R: tl.constexpr):
+    """The R leading columns of a [V, 4] row-major block at ``p``."""
+    tl.store(p + o_v * 4, q0)
+    if R > 1:
+        tl.store(p + o_v * 4 + 1, q1)
+    if R > 2:
+        tl.store(p + o_v * 4 + 2, q2)
+    if R > 3:
+        tl.store(p + o_v * 4 + 3, q3)
+
+
+@triton.jit
 def _cholqr(p_y, p_g, p_q16, V: tl.constexpr, R: tl.constexpr, STORE16: tl.constexpr):
-    """One CholeskyQR step in place on ``Y [V, 4]`` in the scratch words at ``p_y`` (columns >= R zero):
-    ``Q = Y L^{-T}`` by forward substitution over the columns, as the reference computes it."""
+    """One CholeskyQR step on ``Y [V, 4]`` in the scratch words at ``p_y`` (columns >= R zero): ``Q = Y L^{-T}`` by
+    forward substitution over the columns, as the reference computes it, stored over Y, or (``STORE16``, the last
+    step) as fp16 at ``p_q16``."""
     l10, l20, l21, l30, l31, l32, i00, i11, i22, i33 = _cholesky(p_y, p_g, V, R)
     o_v = tl.arange(0, V)
     q0 = tl.load(p_y + o_v * 4) * i00
@@ -121,21 +134,10 @@ def _cholqr(p_y, p_g, p_q16, V: tl.constexpr, R: tl.constexpr, STORE16: tl.const
     if R > 3:
         q3 = (((tl.load(p_y + o_v * 4 + 3) - l30 * q0) - l31 * q1) - l32 * q2) * i33
     tl.debug_barrier()  # every thread has read Y before Q overwrites it
-    tl.store(p_y + o_v * 4, q0)
-    if R > 1:
-        tl.store(p_y + o_v * 4 + 1, q1)
-    if R > 2:
-        tl.store(p_y + o_v * 4 + 2, q2)
-    if R > 3:
-        tl.store(p_y + o_v * 4 + 3, q3)
-    if STORE16:  # fp16(Q), what the products take and the checkpoint stores
-        tl.store(p_q16 + o_v * 4, q0.to(tl.float16))
-        if R > 1:
-            tl.store(p_q16 + o_v * 4 + 1, q1.to(tl.float16))
-        if R > 2:
-            tl.store(p_q16 + o_v * 4 + 2, q2.to(tl.float16))
-        if R > 3:
-            tl.store(p_q16 + o_v * 4 + 3, q3.to(tl.float16))
+    if STORE16:  # the last step: fp16(Q), what the products take and the checkpoint stores
+        _store_columns(p_q16, o_v, q0.to(tl.float16), q1.to(tl.float16), q2.to(tl.float16), q3.to(tl.float16), R)
+    else:  # Q in place of Y, for the next step
+        _store_columns(p_y, o_v, q0, q1, q2, q3, R)
     tl.debug_barrier()  # Q is visible to every thread
 
 
@@ -414,8 +416,9 @@ def num_warps_for(head_k: int, head_v: int) -> int:
 
 def maxnreg_for(num_warps: int) -> int | None:
     """Register cap per thread. At 8 warps, 128 registers let two programs share an SM (65,536 registers); the kernel
-    then spills about 1 KB per thread, and is still faster than one program per SM with no spills: 737 against
-    950 us all due at 256 x 32 KDA on the H200 (bench/NOTES.md). 4-warp programs (64 x 64) are left uncapped."""
+    then spills 0.2-0.4 KB per thread at ring 16, and is faster than one program per SM uncapped: 601.3 against
+    816.8 us all due at 256 x 32 KDA on the H200 (bench/NOTES.md, session 4). 4-warp programs (64 x 64) are left
+    uncapped."""
     return 128 if num_warps == 8 else None
 
 

@@ -29,9 +29,9 @@ from .kernel import (kernel_constants, leapquant_flush_kernel, leapquant_flush_l
 SMEM_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
 MAX_REGS = 255
 # spills go to local memory (L1-resident at these sizes): a speed cost, reported, tolerated up to this much. The
-# 8-warp programs are capped at 128 registers (kernel.maxnreg_for: two programs per SM) and spill 0.7-1.2 KB on
-# every architecture; that build is faster on the H200 than the uncapped one without spills (bench/NOTES.md).
-# The 4-warp programs (64 x 64) do not spill.
+# 8-warp programs are capped at 128 registers (kernel.maxnreg_for: two programs per SM) and spill 0-0.5 KB at ring
+# 16, up to 2.0 KB at ring 32 with ITERS 2 (sm_80); that build is faster on the H200 than the uncapped one
+# (bench/NOTES.md). The 4-warp programs (64 x 64) do not spill.
 MAX_SPILL_BYTES = 2048
 ARCHS = tuple(SMEM_LIMIT)
 # both flush kernels of the backend (kernel.flush_pool's two schedules)
@@ -89,9 +89,9 @@ class Report:
         if self.error:
             return f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<4} FAIL  {self.error}"
         flag = "ok  " if self.ok else "FAIL"
-        return (f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<4} {flag}  warps {self.num_warps:2d}  regs {self.regs:3d}/{MAX_REGS}  "
-                f"spill {self.spill_bytes:4d} B  smem {self.smem / 1024:6.1f}/{SMEM_LIMIT[self.arch] >> 10} KiB  "
-                f"({self.seconds:.1f} s)")
+        return (f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<4} {flag}  warps {self.num_warps:2d}  "
+                f"regs {self.regs:3d}/{MAX_REGS}  spill {self.spill_bytes:4d} B  "
+                f"smem {self.smem / 1024:6.1f}/{SMEM_LIMIT[self.arch] >> 10} KiB  ({self.seconds:.1f} s)")
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
