@@ -309,7 +309,8 @@ def _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf,
 
     # --- 10. store the checkpoint and reset the ring ----------------------------------------------------------
     tl.store(p_c, b_c)
-    # stored as a [V, 1] tile in the state's layout, as the column sums above
+    # stored as a [V, 1] tile in the state's layout: a 1-D store makes Triton move the whole tile into the store's
+    # layout before the reduction
     tl.store(skv + o_reg + K + o_v[:, None], b_sv[:, None])
     tl.store(uq + o_reg * 2 + o_r[:, None] * (K + V) + o_k[None, :], b_ut16, mask=m_r[:, None])
     m_rv = m_r[None, :] & (o_v[:, None] < V)
@@ -321,7 +322,6 @@ def _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf,
         tl.store(p_g, tl.full([BL, K], 1.0, dtype=tl.float16), mask=m_l[:, None])
     else:
         tl.store(pcum + i_sh, 1.0)
-
 
 
 @triton.jit

@@ -50,7 +50,7 @@ def _randomise(pool: leapquant.Pool, g: torch.Generator) -> None:
 
 def _fill_program(pool, s: int, h: int, g: torch.Generator, scale: float = 1.0, zero: bool = False) -> None:
     """A valid checkpoint and a full ring for (slot s, head h), state magnitude about ``scale``."""
-    V, K, L, R = pool.head_v, pool.head_k, pool.ring, pool.rank
+    V, K, L = pool.head_v, pool.head_k, pool.ring
     rnd = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     if zero:
         S = torch.zeros(V, K)
@@ -263,7 +263,6 @@ def test_repeated_flushes_match_reference_backend():
     S0 = 0.5 * torch.randn(2, 2, 64, 64, generator=g)
     for p in pools.values():
         p.load_states([1, 2], S0)
-    exact = S0.double().clone()
     for _ in range(3):
         for _ in range(8):
             k = torch.nn.functional.normalize(torch.randn(2, 2, 64, generator=g), dim=-1)
