@@ -507,16 +507,15 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
     pointers = dict(codes=pool.codes, skv=pool.s_kv, uq=pool.uq, kbuf=pool.kbuf, ubuf=pool.ubuf, w=pool.w,
                     pcum=pool.pcum, gbuf=gbuf, q0=pool.q0)
     launch = dict(num_warps=nw, num_stages=1, **({"maxnreg": cap} if cap else {}))
+    # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch their own
+    # words
+    scratch = torch.empty(N * g.heads * scr, dtype=torch.float32, device=idx.device)
     with mma_sync_only():
         if schedule == "grid":
-            # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch
-            # their own words
-            scratch = torch.empty(N * g.heads * scr, dtype=torch.float32, device=idx.device)
             leapquant_flush_kernel[(N, g.heads)](
                 idx=idx, hcnt=pool.hcnt, **pointers, scratch=scratch, scratch16=scratch.view(torch.float16),
                 NS=g.num_slots, HV=g.heads, SS=g.slot_stride, **consts, **launch)
         elif schedule == "list":
-            scratch = torch.empty(N * g.heads * scr, dtype=torch.float32, device=idx.device)
             work = torch.empty(1 + N * g.heads, dtype=torch.int32, device=idx.device)
             work[:1].zero_()
             due_list_kernel[(N,)](idx, pool.hcnt, work, g.num_slots, g.heads, FIRST=consts.pop("FIRST"), L=g.ring,

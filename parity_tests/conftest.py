@@ -3,7 +3,7 @@
 Hypothesis profiles: ``ci`` (derandomised; loaded when ``CI`` is set), ``dev`` (quick, the default), ``long``
 (``HYPOTHESIS_PROFILE=long``, for a night run), ``gpu`` (the GPU suite).
 ``LEAPQUANT_TEST_BACKENDS=a,b`` restricts the backend-parametrised tests to those backends (e.g. to check one backend
-on a GPU while another is known broken there); the default is every backend available here.. On a machine without CUDA, Triton kernels run through
+on a GPU while another is known broken there); the default is every backend available here. On a machine without CUDA, Triton kernels run through
 its interpreter: ``TRITON_INTERPRET=1`` is set here before anything imports Triton.
 """
 

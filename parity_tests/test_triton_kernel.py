@@ -130,10 +130,7 @@ def _check_flush(pool, idx: list[int], due_progs: list[tuple[int, int]], scale: 
 
     # untouched: everything except the due programs' checkpoints and ring rows, byte for byte
     g = pool.geometry
-    raw_mask = torch.zeros(pool.raw.numel() * 4, dtype=torch.bool)
-    for s, h in due_progs:
-        start = 4 * (pool.base + s * g.slot_stride + h * g.region_words)
-        raw_mask[start:start + g.checkpoint_bytes] = True
+    raw_mask = pool.checkpoint_mask(slots, heads).cpu()
     rb, ra = _bytes(before["raw"].cpu()), _bytes(pool.raw.cpu())
     changed = (rb != ra) & ~raw_mask
     assert not changed.any(), f"{int(changed.sum())} bytes of raw outside the due checkpoints changed"
