@@ -36,7 +36,7 @@ scratch words (global memory, L1/L2-resident), so that they are computed once ra
 
 Every ``tl.dot`` is compiled to ``mma.sync`` (:func:`mma_sync_only`; Hopper's ``wgmma`` build of this kernel is
 wrong on the H200). Resources (``python -m leapquant_triton.portability``): at 128 x 128 a program is 8 warps capped
-at 128 registers (two programs per SM; 0.2-0.4 KB of spills at ring 16), 36 KiB of shared memory. Measurements and
+at 128 registers (two programs per SM; 0.2-0.55 KB of spills at ring 16), 36 KiB of shared memory. Measurements and
 the way there are in bench/NOTES.md.
 """
 
@@ -160,59 +160,90 @@ def _pin(b_x):
 
 
 @triton.jit
-def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_e, p_g, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-             R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, IS_KDA: tl.constexpr, BF16_DOTS: tl.constexpr):
+def _ring_chunk(p_k, p_u, p_w, p_g, c: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                IS_KDA: tl.constexpr):
+    """Ring entries ``16 c .. 16 c + 15`` (zero past L) of one (slot, head), from its kbuf, ubuf, w and gbuf rows:
+    ubuf^T ``[V, 16]`` (bf16) and the decayed keys ``[16, K]`` as the exact sum of three bf16 pieces (8 + 8 + 8
+    significant bits, so that every product with the bf16 ubuf is exact in fp32), the largest piece first."""
+    o_k = tl.arange(0, K)
+    o_j = c * 16 + tl.arange(0, 16)
+    m_j = o_j < L
+    b_kd = tl.load(p_k + o_j[:, None] * K + o_k[None, :], mask=m_j[:, None], other=0.0).to(tl.float32)  # [16, K]
+    if IS_KDA:
+        # d_j = prod_{i>j} gbuf[i], multiplied from i = L-1 down as the reference's reverse cumulative product: row i
+        # of gbuf is read into every row j < i of the tile (1 elsewhere). A tl.cumprod over the rows crosses the 8
+        # warps through shared memory and barriers: 12 % of the kernel's stall samples on the H200.
+        b_d = tl.full([16, K], 1.0, tl.float32)
+        for i in tl.static_range(L - 1, c * 16, -1):
+            b_gi = tl.load(p_g + i * K + o_j[:, None] * 0 + o_k[None, :], mask=o_j[:, None] < i, other=1.0)
+            b_d = b_d * b_gi.to(tl.float32)
+        b_kd = b_kd * b_d
+    b_kd = b_kd * tl.load(p_w + o_j, mask=m_j, other=0.0)[:, None]
+    b_k1 = b_kd.to(tl.bfloat16)
+    b_r1 = b_kd - b_k1.to(tl.float32)
+    b_k2 = b_r1.to(tl.bfloat16)
+    b_k3 = (b_r1 - b_k2.to(tl.float32)).to(tl.bfloat16)
+    b_ut = tl.load(p_u + o_j[None, :] * V + tl.arange(0, V)[:, None], mask=m_j[None, :], other=0.0)  # [V, 16]
+    return b_ut, b_k1, b_k2, b_k3
+
+
+@triton.jit
+def _ring_dots(b_s, b_ut, b_k1, b_k2, b_k3, BF16_DOTS: tl.constexpr):
+    """``b_s + ubuf^T kd`` for one chunk of the ring, the small pieces of kd first."""
+    if BF16_DOTS:
+        b_s = tl.dot(b_ut, _pin(b_k3), acc=b_s)
+        b_s = tl.dot(b_ut, _pin(b_k2), acc=b_s)
+        b_s = tl.dot(b_ut, _pin(b_k1), acc=b_s)
+    else:  # the interpreter multiplies bf16 tiles as integers (Triton 3.6): the same exact products in fp32
+        b_ut = b_ut.to(tl.float32)
+        b_s = tl.dot(b_ut, b_k3.to(tl.float32), acc=b_s)
+        b_s = tl.dot(b_ut, b_k2.to(tl.float32), acc=b_s)
+        b_s = tl.dot(b_ut, b_k1.to(tl.float32), acc=b_s)
+    return b_s
+
+
+@triton.jit
+def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_e, p_g, p_q0, p_q16, K: tl.constexpr, V: tl.constexpr,
+             L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, IS_KDA: tl.constexpr,
+             BF16_DOTS: tl.constexpr):
     """The rebuilt state S = (Dq + Lo) * scale + Ring (SPEC §3 steps 1-4) as a [V, K] fp32 tile, from the pointers
-    of one (slot, head): its codes, s_k | s_v, uq, and its kbuf, ubuf, w, pcum and gbuf rows."""
+    of one (slot, head): its codes, s_k | s_v, uq, and its kbuf, ubuf, w, pcum and gbuf rows. On the way it writes
+    the program's scratch words that the rest reads: fp16(Q0) [V, 4] at ``p_q16`` and, for KDA, exp(pcum) [K] at
+    ``p_e``, computed once per value (in the state's layout every thread would compute 32 of each).
+
+    Every input is loaded before the first barrier, so that their latencies overlap: the checkpoint, the first 16
+    ring entries (with their decays and pieces), Q0 and pcum; a load after a barrier waits for it, and the barriers
+    wait for the slowest warp's loads."""
     o_k, o_v, o_l, o_r, m_l, m_r = _ranges(K, V, L, R, BL, BR)
+    b_pc = tl.load(p_pc + o_k) if IS_KDA else tl.load(p_pc)
+    b_q0 = tl.load(p_q0 + o_v[:, None] * R + o_r[None, :], mask=m_r[None, :], other=0.0)  # [V, BR]
     b_sk = tl.load(p_skv + o_k)  # [K]
     b_sv = tl.load(p_skv + K + o_v)  # [V]
+    b_c = tl.load(p_c + o_v[:, None] * K + o_k[None, :])
+    b_qo = tl.load(p_uq + o_r[None, :] * (K + V) + K + o_v[:, None], mask=m_r[None, :], other=0.0)  # [V, BR]
+    b_uo = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=m_r[:, None], other=0.0)  # [BR, K]
+    b_ut, b_k1, b_k2, b_k3 = _ring_chunk(p_k, p_u, p_w, p_g, 0, K, V, L, IS_KDA)
+    m_q = (o_r[None, :] < 4) & (o_v[:, None] < V)
+    tl.store(p_q16 + o_v[:, None] * 4 + o_r[None, :], b_q0.to(tl.float16), mask=m_q)
+    if IS_KDA:
+        tl.store(p_e + o_k, tl.exp(b_pc))
+    tl.debug_barrier()  # fp16(Q0) and exp(pcum) are visible to every thread
     # (``/`` here and for the new scales below is the GPU's fast division, within 2 ulp: it moves a scale by fp32
     # rounding, far below the quantisation error; IEEE division costs a slow-path branch per value)
-    b_c = tl.load(p_c + o_v[:, None] * K + o_k[None, :])
     b_cf = (b_c.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
     b_s = b_cf * (b_sv / QMAX)[:, None] * b_sk[None, :]
     # old rank-R part from the fp16 factors: products are exact in fp32
-    b_qo = tl.load(p_uq + o_r[None, :] * (K + V) + K + o_v[:, None], mask=m_r[None, :], other=0.0)  # [V, BR]
-    b_uo = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=m_r[:, None], other=0.0)  # [BR, K]
     b_s = tl.dot(b_qo, b_uo, acc=b_s)
     if IS_KDA:
-        b_s *= tl.load(p_e + o_k)[None, :]  # exp(pcum), computed once per column by the caller
+        b_s *= tl.load(p_e + o_k)[None, :]  # exp(pcum)
     else:
-        b_s *= tl.maximum(tl.load(p_pc), PNMIN)
+        b_s *= tl.maximum(b_pc, PNMIN)
     # the ring, 16 entries at a time (a [16, K] operand is replicated in every warp: at L = 32 whole-ring operands
     # spilled)
-    o_16 = tl.arange(0, 16)
-    for c in tl.static_range(BL // 16):
-        o_j = c * 16 + o_16
-        m_j = o_j < L
-        b_kd = tl.load(p_k + o_j[:, None] * K + o_k[None, :], mask=m_j[:, None], other=0.0).to(tl.float32)  # [16, K]
-        if IS_KDA:
-            # d_j = prod_{i>j} gbuf[i], multiplied from i = L-1 down as the reference's reverse cumulative product:
-            # row i of gbuf is read into every row j < i of the tile (1 elsewhere). A tl.cumprod over the rows
-            # crosses the 8 warps through shared memory and barriers: 12 % of the kernel's stall samples on the H200.
-            b_d = tl.full([16, K], 1.0, tl.float32)
-            for i in tl.static_range(L - 1, c * 16, -1):
-                b_gi = tl.load(p_g + i * K + o_j[:, None] * 0 + o_k[None, :], mask=o_j[:, None] < i, other=1.0)
-                b_d = b_d * b_gi.to(tl.float32)
-            b_kd = b_kd * b_d
-        b_kd = b_kd * tl.load(p_w + o_j, mask=m_j, other=0.0)[:, None]
-        # the decayed keys as the exact sum of three bf16 pieces (8 + 8 + 8 significant bits): every product with
-        # the bf16 ubuf is exact in fp32; the small pieces go first
-        b_k1 = b_kd.to(tl.bfloat16)
-        b_r1 = b_kd - b_k1.to(tl.float32)
-        b_k2 = b_r1.to(tl.bfloat16)
-        b_k3 = (b_r1 - b_k2.to(tl.float32)).to(tl.bfloat16)
-        b_ut = tl.load(p_u + o_j[None, :] * V + o_v[:, None], mask=m_j[None, :], other=0.0)  # ubuf^T [V, 16], bf16
-        if BF16_DOTS:
-            b_s = tl.dot(b_ut, _pin(b_k3), acc=b_s)
-            b_s = tl.dot(b_ut, _pin(b_k2), acc=b_s)
-            b_s = tl.dot(b_ut, _pin(b_k1), acc=b_s)
-        else:  # the interpreter multiplies bf16 tiles as integers (Triton 3.6): the same exact products in fp32
-            b_ut = b_ut.to(tl.float32)
-            b_s = tl.dot(b_ut, b_k3.to(tl.float32), acc=b_s)
-            b_s = tl.dot(b_ut, b_k2.to(tl.float32), acc=b_s)
-            b_s = tl.dot(b_ut, b_k1.to(tl.float32), acc=b_s)
+    b_s = _ring_dots(b_s, b_ut, b_k1, b_k2, b_k3, BF16_DOTS)
+    for c in tl.static_range(1, BL // 16):
+        b_ut, b_k1, b_k2, b_k3 = _ring_chunk(p_k, p_u, p_w, p_g, c, K, V, L, IS_KDA)
+        b_s = _ring_dots(b_s, b_ut, b_k1, b_k2, b_k3, BF16_DOTS)
     return b_s
 
 
@@ -234,20 +265,13 @@ def _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf,
     p_cn = p_gram + 32 * ITERS
     p_q16 = scratch16 + (o_scr + 32 * ITERS + 4 * V + 4) * 2
     p_e = p_cn + 4 + 2 * V
-    # fp16(Q0) and, for KDA, the per-column decay exp(pcum): computed once per value here, read back in the layouts
-    # that use them (in the state's layout every thread would compute 32 of each)
     m_q = (o_r[None, :] < 4) & (o_v[:, None] < V)
-    tl.store(p_q16 + o_v[:, None] * 4 + o_r[None, :],
-             tl.load(q0 + o_v[:, None] * R + o_r[None, :], mask=m_r[None, :], other=0.0).to(tl.float16), mask=m_q)
-    if IS_KDA:
-        tl.store(p_e + o_k, tl.exp(tl.load(pcum + i_sh * K + o_k)))
-    tl.debug_barrier()
 
     # --- 1-4. rebuild S = (Dq + Lo) * scale + Ring -------------------------------------------------------------
     p_c = codes + o_reg * 4 + o_v[:, None] * K + o_k[None, :]
     b_s = _rebuild(codes + o_reg * 4, skv + o_reg, uq + o_reg * 2, kbuf + i_sh * (L * K), ubuf + i_sh * (L * V),
-                   w + i_sh * L, pcum + i_sh * (K if IS_KDA else 1), p_e, gbuf + i_sh * (L * K), K, V, L, R, BL, BR,
-                   IS_KDA, BF16_DOTS)
+                   w + i_sh * L, pcum + i_sh * (K if IS_KDA else 1), p_e, gbuf + i_sh * (L * K), q0, p_q16, K, V, L,
+                   R, BL, BR, IS_KDA, BF16_DOTS)
 
     # --- 5. subspace iteration on Sn = c S, c = 2^(126 - e) from the fp32 exponent field e of max|S| -----------
     a_max = tl.max(tl.max(tl.abs(b_s), axis=1), axis=0)
@@ -416,7 +440,7 @@ def num_warps_for(head_k: int, head_v: int) -> int:
 
 def maxnreg_for(num_warps: int) -> int | None:
     """Register cap per thread. At 8 warps, 128 registers let two programs share an SM (65,536 registers); the kernel
-    then spills 0.2-0.4 KB per thread at ring 16, and is faster than one program per SM uncapped: 601.3 against
+    then spills 0.2-0.55 KB per thread at ring 16, and is faster than one program per SM uncapped: 601.3 against
     816.8 us all due at 256 x 32 KDA on the H200 (bench/NOTES.md, session 4). 4-warp programs (64 x 64) are left
     uncapped."""
     return 128 if num_warps == 8 else None
@@ -458,9 +482,10 @@ def mma_sync_only():
     Measured on the H200 with Triton 3.6 (parity_tests/gpu_runs/2026-11-30_s2_diag.log): compiled with
     ``wgmma`` this kernel gives different bytes from run to run, non-finite outputs on ordinary states and illegal
     memory accesses on GDN pools; with ``mma.sync`` it is deterministic, graph replay equals eager, and every regime
-    passes SPEC §4, about 10 % slower (session 2, on the kernel of that time). Triton has open reports of the same kind for kernels with several ``tl.dot``
-    on sm_90 (triton-lang/triton #10486, #11366). Triton reads the switch from the environment while it compiles and
-    keys its caches on it, so it is set around each launch (a compile happens inside the first one) and restored.
+    passes SPEC §4, about 10 % slower (session 2, on the kernel of that time). Triton has open reports of the same kind
+    for kernels with several ``tl.dot`` on sm_90 (triton-lang/triton #10486, #11366). Triton reads the switch from the
+    environment while it compiles and keys its caches on it, so it is set around each launch (a compile happens inside
+    the first one) and restored.
     """
     with _mma_lock:
         old = {k: os.environ.get(k) for k in _MMA_ENV}

@@ -29,8 +29,8 @@ from .kernel import (kernel_constants, leapquant_flush_kernel, leapquant_flush_l
 SMEM_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
 MAX_REGS = 255
 # spills go to local memory (L1-resident at these sizes): a speed cost, reported, tolerated up to this much. The
-# 8-warp programs are capped at 128 registers (kernel.maxnreg_for: two programs per SM) and spill 0-0.5 KB at ring
-# 16, up to 2.0 KB at ring 32 with ITERS 2 (sm_80); that build is faster on the H200 than the uncapped one
+# 8-warp programs are capped at 128 registers (kernel.maxnreg_for: two programs per SM) and spill 0.2-0.55 KB at
+# ring 16, up to 1.9 KB at ring 32 with ITERS 2 (sm_80, sm_90); that build is faster on the H200 than the uncapped one
 # (bench/NOTES.md). The 4-warp programs (64 x 64) do not spill.
 MAX_SPILL_BYTES = 2048
 ARCHS = tuple(SMEM_LIMIT)
