@@ -6,7 +6,9 @@ checkpoint and the ring resets are written in place. Two schedules find the due 
     grid   :func:`leapquant_flush_kernel`, grid ``(N, HV)``: a program that is not due returns after reading
            ``idx[n]`` and ``hcnt[idx[n], h]`` (two dependent loads, while holding an SM slot)
     list   :func:`due_list_kernel` lists the due pairs, then :func:`leapquant_flush_list_kernel`, grid ``(N HV,)``:
-           program p takes the p-th due pair, so the due programs are launched first; for large flushes
+           program p takes the p-th due pair, so the due programs are launched first; for large flushes. On sm_90
+           and later both launch as programmatic dependents (:func:`_pdl`): their programs start while the kernel
+           before them drains
 
 Legend of the block values (``b_`` prefix), shapes in SPEC letters, ``BR`` = rank padded to 16 and ``BL`` = ring
 padded to 16 (``tl.dot`` needs every dimension >= 16; padded rows and columns are zero):
@@ -49,6 +51,7 @@ import threading
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from leapquant import constants
 
@@ -392,9 +395,14 @@ def leapquant_flush_kernel(
 
 
 @triton.jit
-def due_list_kernel(idx, hcnt, work, NS, HV, FIRST: tl.constexpr, L: tl.constexpr, HB: tl.constexpr):
+def due_list_kernel(idx, hcnt, work, NS, HV, FIRST: tl.constexpr, L: tl.constexpr, HB: tl.constexpr,
+                    PDL: tl.constexpr):
     """Grid ``(N,)``: appends the due (slot, head) pairs of row ``n`` as ``slot HV + head`` to ``work[1:]`` and counts
-    them in ``work[0]`` (zero before the launch): one atomic add per row, the positions within it by a prefix sum."""
+    them in ``work[0]`` (zero before the launch): one atomic add per row, the positions within it by a prefix sum.
+    ``PDL``: launched as a programmatic dependent of the zeroing of ``work[0]``; it lets the flush launch at once."""
+    if PDL:
+        gdc_wait()  # the zeroed count is visible
+        gdc_launch_dependents()  # the flush's programs may start (they wait for this grid before reading work)
     i_n = tl.program_id(0)
     i_s = tl.load(idx + i_n).to(tl.int64)
     o_h = tl.arange(0, HB)
@@ -419,11 +427,14 @@ def leapquant_flush_list_kernel(
     IS_KDA: tl.constexpr,
     SCR: tl.constexpr,
     BF16_DOTS: tl.constexpr,
+    PDL: tl.constexpr,  # launched as a programmatic dependent of due_list_kernel (sm_90 and later)
 ):
     """Grid ``(N HV,)``: program p flushes the due pair ``work[1 + p]`` listed by :func:`due_list_kernel`, or
     returns after one load when p >= ``work[0]`` (arguments as :func:`leapquant_flush_kernel`). The due programs
     come first in launch order; the rest cost one load each, after them."""
     pid = tl.program_id(0)
+    if PDL:
+        gdc_wait()  # the due list is complete and visible
     if pid >= tl.load(work):
         return
     i_sh = tl.load(work + 1 + pid).to(tl.int64)
@@ -500,6 +511,13 @@ def mma_sync_only():
                     os.environ[k] = v
 
 
+def _pdl(device: torch.device) -> bool:
+    """Whether the list schedule's kernels launch as programmatic dependents of the kernel before them (sm_90 and
+    later, not under the interpreter): a kernel's programs then start while the one before it finishes, and wait for
+    it (``griddepcontrol.wait``) before reading what it wrote. The capability is a host-side property: no sync."""
+    return not _interpreting() and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def schedule_for(rows: int, heads: int) -> str:
     """The schedule :func:`flush_pool` takes for ``rows`` x ``heads`` programs (the host knows ``N``, not how many are
     due). Measured on the H200 (bench/NOTES.md, KDA 128 x 128): a program that is not due still holds an SM slot for
@@ -543,10 +561,11 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
         elif schedule == "list":
             work = torch.empty(1 + N * g.heads, dtype=torch.int32, device=idx.device)
             work[:1].zero_()
+            pdl = _pdl(idx.device)
             due_list_kernel[(N,)](idx, pool.hcnt, work, g.num_slots, g.heads, FIRST=consts.pop("FIRST"), L=g.ring,
-                                  HB=triton.next_power_of_2(g.heads), num_warps=1)
+                                  HB=triton.next_power_of_2(g.heads), PDL=pdl, num_warps=1, launch_pdl=pdl)
             leapquant_flush_list_kernel[(N * g.heads,)](
                 work=work, **pointers, scratch=scratch, scratch16=scratch.view(torch.float16), HV=g.heads,
-                SS=g.slot_stride, **consts, **launch)
+                SS=g.slot_stride, **consts, PDL=pdl, **launch, launch_pdl=pdl)
         else:
             raise ValueError(f"schedule must be 'grid' or 'list', not {schedule!r}")

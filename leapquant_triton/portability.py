@@ -135,6 +135,7 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
         pointers = {"work": "*i32", **{k: v for k, v in _POINTERS.items() if k not in ("idx", "hcnt")}}
         signature = dict(pointers, HV="i32", SS="i32")
         constexprs.pop("FIRST")
+        constexprs["PDL"] = arch >= 90  # as flush_pool launches it (griddepcontrol needs sm_90)
     else:
         raise ValueError(f"kernel must be 'grid' or 'list', not {kernel!r}")
     signature.update({k: "constexpr" for k in constexprs})
