@@ -520,10 +520,12 @@ def _pdl(device: torch.device) -> bool:
 
 def schedule_for(rows: int, heads: int) -> str:
     """The schedule :func:`flush_pool` takes for ``rows`` x ``heads`` programs (the host knows ``N``, not how many are
-    due). Measured on the H200 (bench/NOTES.md, KDA 128 x 128): a program that is not due still holds an SM slot for
-    two dependent loads, 18 us for 8,192 of them with none due; the list's two extra launches cost ~4.4 us on small
-    flushes (one program: 19.6 against 15.2 us). At 256 x 32 the list is faster all due (502.5 against 514.3 us) and
-    at 1/16 due (47.2 against 58.6 us); the break-even is near 2,000 programs."""
+    due). Measured on the H200 at fc0a630 (bench/NOTES.md, KDA 128 x 128, grid / list): a program that is not due
+    still holds an SM slot for two dependent loads (8,192 with none due: 18.2 / 12.6 us); the list's two extra
+    launches cost ~3 us on small flushes (one program: 14.0 / 17.1 us). With 1/16 of the heads due, the steady state
+    of a ring of 16, the list is faster from ~1,000 programs (1,024: 20.2 / 18.1 us; 8,192: 54.7 / 42.9 us); all due
+    it is 1-6 % slower (1,024: 65.6 / 69.4 us; 8,192: 468.5 / 473.5 us). From 2,048 programs the list's gain at 1/16
+    outweighs its loss all due."""
     return "list" if rows * heads >= 2048 else "grid"
 
 

@@ -35,7 +35,8 @@ def launchers():
 
 
 # (rows, due (row, head) pairs among rows x 32)
-CASES = [(1, 1), (1, 32), (8, 256), (16, 512), (256, 0), (256, 512), (256, 8192)]
+CASES = [(1, 1), (1, 32), (8, 256), (16, 512), (32, 64), (32, 1024), (64, 128), (64, 2048), (256, 0), (256, 512),
+         (256, 8192)]
 for name, flush in launchers():
     for rows, due in CASES:
         idx = (torch.randperm(256, generator=gen)[:rows] + 1).to(torch.int32).cuda()
