@@ -3,12 +3,12 @@
 One program per due (slot, head), the state ``S [V, K]`` in registers from the rebuild to the quantisation; the new
 checkpoint and the ring resets are written in place. Two schedules find the due pairs (:func:`flush_pool`):
 
-    grid   :func:`leapquant_flush_kernel`, grid ``(N, HV)``: a program that is not due returns after reading
-           ``idx[n]`` and ``hcnt[idx[n], h]`` (two dependent loads, while holding an SM slot)
-    list   :func:`due_list_kernel` lists the due pairs, then :func:`leapquant_flush_list_kernel`, grid ``(N HV,)``:
-           program p takes the p-th due pair, so the due programs are launched first; for large flushes. On sm_90
-           and later both launch as programmatic dependents (:func:`_pdl`): their programs start while the kernel
-           before them drains
+    grid   :func:`leapquant_flush_kernel` (``LIST`` False), grid ``(N, HV)``: a program that is not due returns after
+           reading ``idx[n]`` and ``hcnt[idx[n], h]`` (two dependent loads, while holding an SM slot)
+    list   :func:`due_list_kernel` lists the due pairs, then :func:`leapquant_flush_kernel` (``LIST`` True), grid
+           ``(N HV,)``: program p takes the p-th due pair, so the due programs are launched first; for large flushes.
+           On sm_90 and later both launch as programmatic dependents (:func:`_pdl`): their programs start while the
+           kernel before them drains
 
 Legend of the block values (``b_`` prefix), shapes in SPEC letters, ``BR`` = rank padded to 16 and ``BL`` = ring
 padded to 16 (``tl.dot`` needs every dimension >= 16; padded rows and columns are zero):
@@ -352,9 +352,30 @@ def _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf,
 
 
 @triton.jit
+def due_list_kernel(idx, hcnt, work, NS, HV, FIRST: tl.constexpr, L: tl.constexpr, HB: tl.constexpr,
+                    PDL: tl.constexpr):
+    """Grid ``(N,)``: appends the due (slot, head) pairs of row ``n`` as ``slot HV + head`` to ``work[1:]`` and counts
+    them in ``work[0]`` (zero before the launch): one atomic add per row, the positions within it by a prefix sum.
+    ``PDL``: launched as a programmatic dependent of the zeroing of ``work[0]``; it lets the flush launch at once."""
+    if PDL:
+        gdc_wait()  # the zeroed count is visible
+        gdc_launch_dependents()  # the flush's programs may start (they wait for this grid before reading work)
+    i_n = tl.program_id(0)
+    i_s = tl.load(idx + i_n).to(tl.int64)
+    o_h = tl.arange(0, HB)
+    m_h = (o_h < HV) & (i_s >= FIRST) & (i_s < NS)
+    b_due = (tl.load(hcnt + i_s * HV + o_h, mask=m_h, other=0) == L).to(tl.int32)
+    n_due = tl.sum(b_due, axis=0)
+    if n_due > 0:
+        base = tl.atomic_add(work, n_due)
+        tl.store(work + 1 + base + tl.cumsum(b_due, axis=0) - b_due, (i_s * HV + o_h).to(tl.int32), mask=b_due > 0)
+
+
+@triton.jit
 def leapquant_flush_kernel(
-    idx,  # int32 [N]
-    hcnt,  # int32 [NS, HV]
+    idx,  # int32 [N] (grid schedule)
+    hcnt,  # int32 [NS, HV] (grid schedule)
+    work,  # int32 [1 + N HV]: the due count, then the due pairs (list schedule, written by due_list_kernel)
     codes,  # int8 view of the pool: region (n, h) at byte n * 4 SS + h * 4 V K
     skv,  # fp32 view: s_k [K] | s_v [V] at word n * SS + h * V K
     uq,  # fp16 view: uq [R, K + V] at half n * 2 SS + h * 2 V K
@@ -380,67 +401,39 @@ def leapquant_flush_kernel(
     IS_KDA: tl.constexpr,
     SCR: tl.constexpr,
     BF16_DOTS: tl.constexpr,  # False under the interpreter (its bf16 dot is wrong): the ring's pieces go as fp32
+    LIST: tl.constexpr,  # the schedule: False = grid, True = list
+    PDL: tl.constexpr,  # (list) launched as a programmatic dependent of due_list_kernel (sm_90 and later)
 ):
-    """Grid ``(N, HV)``: program (n, h) flushes (idx[n], h) if it is due and returns otherwise."""
-    i_n, i_h = tl.program_id(0), tl.program_id(1)
-    i_s = tl.load(idx + i_n).to(tl.int64)
-    if (i_s < FIRST) | (i_s >= NS):
-        return
-    # (slot, head) row of the dense buffers; int64: NS * HV * L * K passes 2^31 at a few thousand slots
-    i_sh = i_s * HV + i_h
-    if tl.load(hcnt + i_sh) != L:
-        return
-    _flush_one((i_n.to(tl.int64) * HV + i_h) * SCR, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0,
-               scratch, scratch16, HV, SS, K, V, L, R, BL, BR, ITERS, IS_KDA, SCR, BF16_DOTS)
+    """The flush of one (slot, head) per program, found by either schedule (the module's docstring):
 
-
-@triton.jit
-def due_list_kernel(idx, hcnt, work, NS, HV, FIRST: tl.constexpr, L: tl.constexpr, HB: tl.constexpr,
-                    PDL: tl.constexpr):
-    """Grid ``(N,)``: appends the due (slot, head) pairs of row ``n`` as ``slot HV + head`` to ``work[1:]`` and counts
-    them in ``work[0]`` (zero before the launch): one atomic add per row, the positions within it by a prefix sum.
-    ``PDL``: launched as a programmatic dependent of the zeroing of ``work[0]``; it lets the flush launch at once."""
-    if PDL:
-        gdc_wait()  # the zeroed count is visible
-        gdc_launch_dependents()  # the flush's programs may start (they wait for this grid before reading work)
-    i_n = tl.program_id(0)
-    i_s = tl.load(idx + i_n).to(tl.int64)
-    o_h = tl.arange(0, HB)
-    m_h = (o_h < HV) & (i_s >= FIRST) & (i_s < NS)
-    b_due = (tl.load(hcnt + i_s * HV + o_h, mask=m_h, other=0) == L).to(tl.int32)
-    n_due = tl.sum(b_due, axis=0)
-    if n_due > 0:
-        base = tl.atomic_add(work, n_due)
-        tl.store(work + 1 + base + tl.cumsum(b_due, axis=0) - b_due, (i_s * HV + o_h).to(tl.int32), mask=b_due > 0)
-
-
-@triton.jit
-def leapquant_flush_list_kernel(
-    work, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, scratch, scratch16, HV, SS,
-    K: tl.constexpr,
-    V: tl.constexpr,
-    L: tl.constexpr,
-    R: tl.constexpr,
-    BL: tl.constexpr,
-    BR: tl.constexpr,
-    ITERS: tl.constexpr,
-    IS_KDA: tl.constexpr,
-    SCR: tl.constexpr,
-    BF16_DOTS: tl.constexpr,
-    PDL: tl.constexpr,  # launched as a programmatic dependent of due_list_kernel (sm_90 and later)
-):
-    """Grid ``(N HV,)``: program p flushes the due pair ``work[1 + p]`` listed by :func:`due_list_kernel`, or
-    returns after one load when p >= ``work[0]`` (arguments as :func:`leapquant_flush_kernel`). The due programs
-    come first in launch order; the rest cost one load each, after them."""
-    pid = tl.program_id(0)
-    if PDL:
-        gdc_wait()  # the due list is complete and visible
-    if pid >= tl.load(work):
-        return
-    i_sh = tl.load(work + 1 + pid).to(tl.int64)
-    i_s = i_sh // HV
-    _flush_one(pid.to(tl.int64) * SCR, i_sh - i_s * HV, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0,
-               scratch, scratch16, HV, SS, K, V, L, R, BL, BR, ITERS, IS_KDA, SCR, BF16_DOTS)
+    grid (``LIST`` False)  grid ``(N, HV)``: program (n, h) flushes (idx[n], h) if it is due and returns otherwise;
+                           ``work`` is not read
+    list (``LIST`` True)   grid ``(N HV,)``: program p flushes the due pair ``work[1 + p]`` listed by
+                           :func:`due_list_kernel`, or returns after one load when p >= ``work[0]``; the due programs
+                           come first in launch order, the rest cost one load each, after them. ``idx`` and ``hcnt``
+                           are not read."""
+    if LIST:
+        pid = tl.program_id(0)
+        if PDL:
+            gdc_wait()  # the due list is complete and visible
+        if pid >= tl.load(work):
+            return
+        i_sh = tl.load(work + 1 + pid).to(tl.int64)
+        i_s = i_sh // HV
+        i_h = i_sh - i_s * HV
+        o_scr = pid.to(tl.int64) * SCR
+    else:
+        i_n, i_h = tl.program_id(0), tl.program_id(1)
+        i_s = tl.load(idx + i_n).to(tl.int64)
+        if (i_s < FIRST) | (i_s >= NS):
+            return
+        # (slot, head) row of the dense buffers; int64: NS * HV * L * K passes 2^31 at a few thousand slots
+        i_sh = i_s * HV + i_h
+        if tl.load(hcnt + i_sh) != L:
+            return
+        o_scr = (i_n.to(tl.int64) * HV + i_h) * SCR
+    _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, scratch, scratch16, HV, SS, K,
+               V, L, R, BL, BR, ITERS, IS_KDA, SCR, BF16_DOTS)
 
 
 def num_warps_for(head_k: int, head_v: int) -> int:
@@ -464,7 +457,8 @@ def scratch_words(head_k: int, head_v: int, iters: int) -> int:
 
 
 def kernel_constants(geometry, convention: str, iters: int) -> dict:
-    """The constexpr arguments of :func:`leapquant_flush_kernel` for a pool (also what the AOT check compiles)."""
+    """The constexpr arguments of :func:`leapquant_flush_kernel` for a pool (also what the AOT check compiles), but
+    the schedule's ``LIST`` and ``PDL``, which :func:`flush_pool` adds."""
     g = geometry
     return dict(
         FIRST=1 if convention == "vllm" else 0,
@@ -557,17 +551,16 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
     scratch = torch.empty(N * g.heads * scr, dtype=torch.float32, device=idx.device)
     with mma_sync_only():
         if schedule == "grid":
-            leapquant_flush_kernel[(N, g.heads)](
-                idx=idx, hcnt=pool.hcnt, **pointers, scratch=scratch, scratch16=scratch.view(torch.float16),
-                NS=g.num_slots, HV=g.heads, SS=g.slot_stride, **consts, **launch)
+            grid, work, pdl = (N, g.heads), idx, False  # (work is not read)
         elif schedule == "list":
+            grid, pdl = (N * g.heads,), _pdl(idx.device)
             work = torch.empty(1 + N * g.heads, dtype=torch.int32, device=idx.device)
             work[:1].zero_()
-            pdl = _pdl(idx.device)
-            due_list_kernel[(N,)](idx, pool.hcnt, work, g.num_slots, g.heads, FIRST=consts.pop("FIRST"), L=g.ring,
+            due_list_kernel[(N,)](idx, pool.hcnt, work, g.num_slots, g.heads, FIRST=consts["FIRST"], L=g.ring,
                                   HB=triton.next_power_of_2(g.heads), PDL=pdl, num_warps=1, launch_pdl=pdl)
-            leapquant_flush_list_kernel[(N * g.heads,)](
-                work=work, **pointers, scratch=scratch, scratch16=scratch.view(torch.float16), HV=g.heads,
-                SS=g.slot_stride, **consts, PDL=pdl, **launch, launch_pdl=pdl)
         else:
             raise ValueError(f"schedule must be 'grid' or 'list', not {schedule!r}")
+        leapquant_flush_kernel[grid](
+            idx=idx, hcnt=pool.hcnt, work=work, **pointers, scratch=scratch, scratch16=scratch.view(torch.float16),
+            NS=g.num_slots, HV=g.heads, SS=g.slot_stride, **consts, LIST=schedule == "list", PDL=pdl, **launch,
+            launch_pdl=pdl)

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 from leapquant.pool import Geometry
 
 from .backend import SUPPORTED_CAPABILITIES
-from .kernel import (kernel_constants, leapquant_flush_kernel, leapquant_flush_list_kernel, maxnreg_for,
-                     mma_sync_only, num_warps_for)
+from .kernel import kernel_constants, leapquant_flush_kernel, maxnreg_for, mma_sync_only, num_warps_for
 
 # shared memory per block (opt-in maximum), bytes, from the CUDA programming guide's table of compute capabilities
 SMEM_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
@@ -34,12 +33,12 @@ MAX_REGS = 255
 # (bench/NOTES.md). The 4-warp programs (64 x 64) do not spill.
 MAX_SPILL_BYTES = 2048
 ARCHS = tuple(SMEM_LIMIT)
-# both flush kernels of the backend (kernel.flush_pool's two schedules)
+# the two builds of the flush kernel (kernel.flush_pool's two schedules)
 KERNELS = ("grid", "list")
 
 # pointer arguments in kernel order, with their element types
 _POINTERS = {
-    "idx": "*i32", "hcnt": "*i32", "codes": "*i8", "skv": "*fp32", "uq": "*fp16", "kbuf": "*bf16",
+    "idx": "*i32", "hcnt": "*i32", "work": "*i32", "codes": "*i8", "skv": "*fp32", "uq": "*fp16", "kbuf": "*bf16",
     "ubuf": "*bf16", "w": "*fp32", "pcum": "*fp32", "gbuf": "*fp16", "q0": "*fp32", "scratch": "*fp32",
     "scratch16": "*fp16",
 }
@@ -114,33 +113,27 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
 
 def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | None = None,
                 maxnreg: int | None = None) -> Report:
-    """Compile one of the flush kernels (``kernel``: ``"grid"``, :func:`leapquant_flush_kernel`, or ``"list"``,
-    :func:`leapquant_flush_list_kernel`) for ``sm_<arch>`` at ``shape`` and check it against the architecture's
-    limits."""
+    """Compile the flush kernel as one of its schedules launches it (``kernel``: ``"grid"`` or ``"list"``, the
+    ``LIST`` switch of :func:`leapquant_flush_kernel`) for ``sm_<arch>`` at ``shape`` and check it against the
+    architecture's limits."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if not isinstance(leapquant_flush_kernel, triton.runtime.jit.JITFunction):
         raise RuntimeError("the kernel was decorated under TRITON_INTERPRET=1; run the AOT check without it")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be 'grid' or 'list', not {kernel!r}")
     geo = Geometry(2, 32, shape.head_k, shape.head_v, shape.ring, shape.rank, shape.gate)
     nw = num_warps or num_warps_for(shape.head_k, shape.head_v)
     maxnreg = maxnreg if maxnreg is not None else maxnreg_for(nw)  # the backend's launch
-    constexprs = kernel_constants(geo, "vllm", shape.iters)
-    if kernel == "grid":
-        fn, pointers = leapquant_flush_kernel, _POINTERS
-        signature = dict(pointers, NS="i32", HV="i32", SS="i32")
-    elif kernel == "list":
-        fn = leapquant_flush_list_kernel
-        pointers = {"work": "*i32", **{k: v for k, v in _POINTERS.items() if k not in ("idx", "hcnt")}}
-        signature = dict(pointers, HV="i32", SS="i32")
-        constexprs.pop("FIRST")
-        constexprs["PDL"] = arch >= 90  # as flush_pool launches it (griddepcontrol needs sm_90)
-    else:
-        raise ValueError(f"kernel must be 'grid' or 'list', not {kernel!r}")
-    signature.update({k: "constexpr" for k in constexprs})
+    fn = leapquant_flush_kernel
+    # as flush_pool launches it (griddepcontrol needs sm_90)
+    constexprs = dict(kernel_constants(geo, "vllm", shape.iters), LIST=kernel == "list",
+                      PDL=kernel == "list" and arch >= 90)
+    signature = dict(_POINTERS, NS="i32", HV="i32", SS="i32", **{k: "constexpr" for k in constexprs})
     # every pointer of a pool is 16-byte aligned (torch allocations; the raw views start at multiples of 16 bytes)
-    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in pointers}
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in _POINTERS}
     t0 = time.time()
     rep = Report(arch, shape, kernel, nw, ok=False)
     try:
