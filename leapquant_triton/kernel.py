@@ -418,9 +418,10 @@ def leapquant_flush_kernel(
             gdc_wait()  # the due list is complete and visible
         if pid >= tl.load(work):
             return
-        i_sh = tl.load(work + 1 + pid).to(tl.int64)
+        i_sh = tl.load(work + 1 + pid)  # int32 (slot HV + head < N HV): a 32-bit division, not a 64-bit one
         i_s = i_sh // HV
         i_h = i_sh - i_s * HV
+        i_s, i_sh = i_s.to(tl.int64), i_sh.to(tl.int64)
         o_scr = pid.to(tl.int64) * SCR
     else:
         i_n, i_h = tl.program_id(0), tl.program_id(1)
