@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 class TileLangBackend(Backend):
     name = "tilelang"
-    priority = 20
+    priority = 10  # below Triton's (leapquant_triton.backend.TritonBackend.priority says why)
     description = (
         "TileLang, warp-specialised: one persistent CTA per SM, TMA producer warp + 3 consumer groups, mma.sync "
         "tensor-core products, the seed's numerics with an exact ring term in KDA's residual (sm_90 / sm_100; 32 "
