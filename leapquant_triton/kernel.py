@@ -154,6 +154,14 @@ def _ranges(K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, R: tl.constexpr, 
 
 
 @triton.jit
+def _q16_tile(p_q16, V: tl.constexpr, BR: tl.constexpr):
+    """Pointers and mask of fp16(Q) ``[V, 4]`` in the program's scratch words at ``p_q16``, as the ``[V, BR]`` tile the
+    products take (columns >= 4 masked: zero when loaded)."""
+    o_v, o_r = tl.arange(0, V), tl.arange(0, BR)
+    return p_q16 + o_v[:, None] * 4 + o_r[None, :], (o_r[None, :] < 4) & (o_v[:, None] < V)
+
+
+@triton.jit
 def _pin(b_x):
     """``b_x`` (bf16) through an opaque move, on the GPU only: Triton moves the layout conversion of a dot operand
     up through elementwise arithmetic to the loads it starts from, and then runs that arithmetic in the operand's
@@ -210,24 +218,24 @@ def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_e, p_g, p_q0, p_q16, K: tl
              L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, IS_KDA: tl.constexpr,
              BF16_DOTS: tl.constexpr):
     """The rebuilt state S = (Dq + Lo) * scale + Ring (SPEC §3 steps 1-4) as a [V, K] fp32 tile, from the pointers
-    of one (slot, head): its codes, s_k | s_v, uq, and its kbuf, ubuf, w, pcum and gbuf rows. On the way it writes
+    of one (slot, head): its codes (the [V, K] tile of pointers), s_k | s_v, uq, and its kbuf, ubuf, w, pcum and gbuf rows. On the way it writes
     the program's scratch words that the rest reads: fp16(Q0) [V, 4] at ``p_q16`` and, for KDA, exp(pcum) [K] at
     ``p_e``, computed once per value (in the state's layout every thread would compute 32 of each).
 
     Every input is loaded before the first barrier, so that their latencies overlap: the checkpoint, the first 16
     ring entries (with their decays and pieces), Q0 and pcum; a load after a barrier waits for it, and the barriers
     wait for the slowest warp's loads."""
-    o_k, o_v, o_l, o_r, m_l, m_r = _ranges(K, V, L, R, BL, BR)
+    o_k, o_v, _, o_r, _, m_r = _ranges(K, V, L, R, BL, BR)
     b_pc = tl.load(p_pc + o_k) if IS_KDA else tl.load(p_pc)
     b_q0 = tl.load(p_q0 + o_v[:, None] * R + o_r[None, :], mask=m_r[None, :], other=0.0)  # [V, BR]
     b_sk = tl.load(p_skv + o_k)  # [K]
     b_sv = tl.load(p_skv + K + o_v)  # [V]
-    b_c = tl.load(p_c + o_v[:, None] * K + o_k[None, :])
+    b_c = tl.load(p_c)
     b_qo = tl.load(p_uq + o_r[None, :] * (K + V) + K + o_v[:, None], mask=m_r[None, :], other=0.0)  # [V, BR]
     b_uo = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=m_r[:, None], other=0.0)  # [BR, K]
     b_ut, b_k1, b_k2, b_k3 = _ring_chunk(p_k, p_u, p_w, p_g, 0, K, V, L, IS_KDA)
-    m_q = (o_r[None, :] < 4) & (o_v[:, None] < V)
-    tl.store(p_q16 + o_v[:, None] * 4 + o_r[None, :], b_q0.to(tl.float16), mask=m_q)
+    p_qt, m_q = _q16_tile(p_q16, V, BR)
+    tl.store(p_qt, b_q0.to(tl.float16), mask=m_q)
     if IS_KDA:
         tl.store(p_e + o_k, tl.exp(b_pc))
     tl.debug_barrier()  # fp16(Q0) and exp(pcum) are visible to every thread
@@ -268,11 +276,11 @@ def _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf,
     p_cn = p_gram + 32 * ITERS
     p_q16 = scratch16 + (o_scr + 32 * ITERS + 4 * V + 4) * 2
     p_e = p_cn + 4 + 2 * V
-    m_q = (o_r[None, :] < 4) & (o_v[:, None] < V)
+    p_qt, m_q = _q16_tile(p_q16, V, BR)
 
     # --- 1-4. rebuild S = (Dq + Lo) * scale + Ring -------------------------------------------------------------
     p_c = codes + o_reg * 4 + o_v[:, None] * K + o_k[None, :]
-    b_s = _rebuild(codes + o_reg * 4, skv + o_reg, uq + o_reg * 2, kbuf + i_sh * (L * K), ubuf + i_sh * (L * V),
+    b_s = _rebuild(p_c, skv + o_reg, uq + o_reg * 2, kbuf + i_sh * (L * K), ubuf + i_sh * (L * V),
                    w + i_sh * L, pcum + i_sh * (K if IS_KDA else 1), p_e, gbuf + i_sh * (L * K), q0, p_q16, K, V, L,
                    R, BL, BR, IS_KDA, BF16_DOTS)
 
@@ -287,7 +295,7 @@ def _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf,
     # load, Triton moves the conversion after the layout change and doubles the shared-memory traffic)
     tl.store(p_cn, c_norm)  # read back for U
     for it in tl.static_range(ITERS):
-        b_q16 = tl.load(p_q16 + o_v[:, None] * 4 + o_r[None, :], mask=m_q, other=0.0)  # [V, BR]
+        b_q16 = tl.load(p_qt, mask=m_q, other=0.0)  # [V, BR]
         b_p = tl.dot(tl.trans(b_sh), b_q16)  # [K, BR]
         b_y = tl.dot(b_sh, b_p.to(tl.float16))  # [V, BR]
         tl.store(p_y + o_v[:, None] * 4 + o_r[None, :], b_y, mask=o_r[None, :] < 4)
@@ -300,7 +308,7 @@ def _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf,
     # taken against the fp32 S). With the state's fp16 rounding error split off as a second fp16 product, U was
     # fp32-exact, at +24 % time (bench/NOTES.md). Sn is formed again from c read back from scratch: the operand of
     # the first product is not kept in registers through the CholeskyQR2.
-    b_q16 = tl.load(p_q16 + o_v[:, None] * 4 + o_r[None, :], mask=m_q, other=0.0)  # [V, BR]
+    b_q16 = tl.load(p_qt, mask=m_q, other=0.0)  # [V, BR]
     c_back = tl.load(p_cn)
     b_u = tl.dot(tl.trans((b_s * c_back).to(tl.float16)), b_q16) * tl.math.div_rn(1.0, c_back)  # [K, BR]
     b_ut16 = tl.trans(tl.minimum(tl.maximum(b_u, -FP16_MAX), FP16_MAX).to(tl.float16))  # [BR, K]

@@ -38,7 +38,9 @@ def test_claimed_architectures_fit():
     rows = [line for line in res.stdout.splitlines() if line.startswith("sm_")]
     assert len(rows) == 2 * len(KERNELS) * len(SUPPORTED_CAPABILITIES), res.stdout
     for line in rows:
-        m = re.search(r" (?:grid|list) +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B +smem +([\d.]+)/(\d+) KiB", line)
+        kernels = "|".join(KERNELS)
+        m = re.search(rf" (?:{kernels}) +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B +smem +([\d.]+)/(\d+) KiB",
+                      line)
         assert m, line
         regs, spill, smem, limit = int(m[1]), int(m[2]), float(m[3]), int(m[4])
         assert 0 < regs <= 255 and spill <= MAX_SPILL_BYTES and 0 < smem <= limit, line
