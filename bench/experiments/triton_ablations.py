@@ -9,8 +9,8 @@ import sys
 SRC = os.path.join(os.path.dirname(__file__), "..", "..", "leapquant_triton", "kernel.py")
 
 # (text of kernel.py, replacement): each must occur exactly once
-NO_SUBSPACE = [("    for it in tl.static_range(ITERS):\n        b_q16 = tl.load(p_q16",
-                "    for it in tl.static_range(0):\n        b_q16 = tl.load(p_q16")]
+NO_SUBSPACE = [("    for it in tl.static_range(ITERS):\n        b_q16 = tl.load(p_qt",
+                "    for it in tl.static_range(0):\n        b_q16 = tl.load(p_qt")]
 NO_CHOLQR = [(("        _cholqr(p_y, p_gram + 32 * it, p_q16, V, R, False)\n"
                "        _cholqr(p_y, p_gram + 32 * it + 16, p_q16, V, R, True)"),
               ("        tl.store(p_q16 + o_v[:, None] * 4 + o_r[None, :], (b_y * 1e-3).to(tl.float16), mask=m_q)\n"
