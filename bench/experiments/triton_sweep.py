@@ -2,8 +2,10 @@
 # the time at 256 x 32 all due and 1/16 due beside the floor (bench/experiments/README.md).
 # Usage: python bench/experiments/triton_sweep.py [nw:maxnreg:variant ...]; "-" for the default; variant "old" is the
 # kernel of commit ff82b6e copied to .device/kernel_old.py, "file:PATH" another copy of kernel.py (git show), "grid"
-# or "list" the working tree's kernel with that schedule, any other variant a dict of extra constexprs
+# or "list" the working tree's kernel with that schedule, any other variant a dict of extra constexprs.
+# SWEEP_PARITY_ROWS (default 4): rows of 32 heads in each parity case
 import copy
+import os
 import statistics
 import sys
 
@@ -30,6 +32,8 @@ def parse(c):
 
 
 configs = [parse(c) for c in sys.argv[1:]] or [(None, None, "-")]
+# rows of the parity cases (x 32 programs); more than two per SM make a looping schedule take several pairs
+parity_rows = int(os.environ.get("SWEEP_PARITY_ROWS", "4"))
 _base_constants = kk.kernel_constants
 
 
@@ -85,7 +89,7 @@ for nw, mr, var in configs:
             for gate in ("kda", "gdn"):
                 for i, regime in enumerate(("realistic", "lowrank", "large_columns", "decayed")):
                     case = build_case(heads=32, head_k=128, head_v=128, ring=16, rank=4, gate=gate,
-                                      convention="vllm", regime=regime, rows=4, due_frac=1.0, padding=2, seed=500 + i,
+                                      convention="vllm", regime=regime, rows=parity_rows, due_frac=1.0, padding=2, seed=500 + i,
                                       device="cuda")
                     pr = parity.measure(case.pool, case.idx, "triton", check=False)
                     s = pr.summary()
