@@ -214,13 +214,14 @@ def _ring_dots(b_s, b_ut, b_k1, b_k2, b_k3, BF16_DOTS: tl.constexpr):
 
 
 @triton.jit
-def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_e, p_g, p_q0, p_q16, K: tl.constexpr, V: tl.constexpr,
+def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_e, p_g, p_q0, p_qt, m_q, K: tl.constexpr, V: tl.constexpr,
              L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, IS_KDA: tl.constexpr,
              BF16_DOTS: tl.constexpr):
     """The rebuilt state S = (Dq + Lo) * scale + Ring (SPEC §3 steps 1-4) as a [V, K] fp32 tile, from the pointers
-    of one (slot, head): its codes (the [V, K] tile of pointers), s_k | s_v, uq, and its kbuf, ubuf, w, pcum and gbuf rows. On the way it writes
-    the program's scratch words that the rest reads: fp16(Q0) [V, 4] at ``p_q16`` and, for KDA, exp(pcum) [K] at
-    ``p_e``, computed once per value (in the state's layout every thread would compute 32 of each).
+    of one (slot, head): its codes (the [V, K] tile of pointers), s_k | s_v, uq, and its kbuf, ubuf, w, pcum and gbuf
+    rows. On the way it writes the program's scratch words that the rest reads: fp16(Q0) [V, 4] through the tile
+    ``p_qt``, ``m_q`` (:func:`_q16_tile`) and, for KDA, exp(pcum) [K] at ``p_e``, computed once per value (in the
+    state's layout every thread would compute 32 of each).
 
     Every input is loaded before the first barrier, so that their latencies overlap: the checkpoint, the first 16
     ring entries (with their decays and pieces), Q0 and pcum; a load after a barrier waits for it, and the barriers
@@ -234,7 +235,6 @@ def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_e, p_g, p_q0, p_q16, K: tl
     b_qo = tl.load(p_uq + o_r[None, :] * (K + V) + K + o_v[:, None], mask=m_r[None, :], other=0.0)  # [V, BR]
     b_uo = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=m_r[:, None], other=0.0)  # [BR, K]
     b_ut, b_k1, b_k2, b_k3 = _ring_chunk(p_k, p_u, p_w, p_g, 0, K, V, L, IS_KDA)
-    p_qt, m_q = _q16_tile(p_q16, V, BR)
     tl.store(p_qt, b_q0.to(tl.float16), mask=m_q)
     if IS_KDA:
         tl.store(p_e + o_k, tl.exp(b_pc))
@@ -259,10 +259,9 @@ def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_e, p_g, p_q0, p_q16, K: tl
 
 
 @triton.jit
-def _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, scratch, scratch16, HV, SS,
+def _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, scratch, scratch16, SS,
                K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr,
-               BR: tl.constexpr, ITERS: tl.constexpr, IS_KDA: tl.constexpr, SCR: tl.constexpr,
-               BF16_DOTS: tl.constexpr):
+               BR: tl.constexpr, ITERS: tl.constexpr, IS_KDA: tl.constexpr, BF16_DOTS: tl.constexpr):
     """The flush of one due (slot ``i_s``, head ``i_h``) in place; ``i_sh = i_s HV + i_h`` is its row of the dense
     buffers, ``o_scr`` the first of the program's scratch words (int64)."""
     o_k, o_v, o_l, o_r, m_l, m_r = _ranges(K, V, L, R, BL, BR)
@@ -281,7 +280,7 @@ def _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf,
     # --- 1-4. rebuild S = (Dq + Lo) * scale + Ring -------------------------------------------------------------
     p_c = codes + o_reg * 4 + o_v[:, None] * K + o_k[None, :]
     b_s = _rebuild(p_c, skv + o_reg, uq + o_reg * 2, kbuf + i_sh * (L * K), ubuf + i_sh * (L * V),
-                   w + i_sh * L, pcum + i_sh * (K if IS_KDA else 1), p_e, gbuf + i_sh * (L * K), q0, p_q16, K, V, L,
+                   w + i_sh * L, pcum + i_sh * (K if IS_KDA else 1), p_e, gbuf + i_sh * (L * K), q0, p_qt, m_q, K, V, L,
                    R, BL, BR, IS_KDA, BF16_DOTS)
 
     # --- 5. subspace iteration on Sn = c S, c = 2^(126 - e) from the fp32 exponent field e of max|S| -----------
@@ -441,8 +440,8 @@ def leapquant_flush_kernel(
         if tl.load(hcnt + i_sh) != L:
             return
         o_scr = (i_n.to(tl.int64) * HV + i_h) * SCR
-    _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, scratch, scratch16, HV, SS, K,
-               V, L, R, BL, BR, ITERS, IS_KDA, SCR, BF16_DOTS)
+    _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, scratch, scratch16, SS, K, V,
+               L, R, BL, BR, ITERS, IS_KDA, BF16_DOTS)
 
 
 def num_warps_for(head_k: int, head_v: int) -> int:
@@ -521,6 +520,10 @@ def _pdl(device: torch.device) -> bool:
     return not _interpreting() and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
+# the two schedules of flush_pool (also the two builds the AOT check compiles: portability.KERNELS)
+SCHEDULES = ("grid", "list")
+
+
 def schedule_for(rows: int, heads: int) -> str:
     """The schedule :func:`flush_pool` takes for ``rows`` x ``heads`` programs (the host knows ``N``, not how many are
     due). Measured on the H200 at fc0a630 (bench/NOTES.md, KDA 128 x 128, grid / list): a program that is not due
@@ -568,7 +571,7 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
             due_list_kernel[(N,)](idx, pool.hcnt, work, g.num_slots, g.heads, FIRST=consts["FIRST"], L=g.ring,
                                   HB=triton.next_power_of_2(g.heads), PDL=pdl, num_warps=1, launch_pdl=pdl)
         else:
-            raise ValueError(f"schedule must be 'grid' or 'list', not {schedule!r}")
+            raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
         leapquant_flush_kernel[grid](
             idx=idx, hcnt=pool.hcnt, work=work, **pointers, scratch=scratch, scratch16=scratch.view(torch.float16),
             NS=g.num_slots, HV=g.heads, SS=g.slot_stride, **consts, LIST=schedule == "list", PDL=pdl, **launch,

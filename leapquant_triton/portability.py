@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from leapquant.pool import Geometry
 
 from .backend import SUPPORTED_CAPABILITIES
-from .kernel import kernel_constants, leapquant_flush_kernel, maxnreg_for, mma_sync_only, num_warps_for
+from .kernel import (SCHEDULES, kernel_constants, leapquant_flush_kernel, maxnreg_for, mma_sync_only,
+                     num_warps_for)
 
 # shared memory per block (opt-in maximum), bytes, from the CUDA programming guide's table of compute capabilities
 SMEM_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
@@ -34,7 +35,7 @@ MAX_REGS = 255
 MAX_SPILL_BYTES = 2048
 ARCHS = tuple(SMEM_LIMIT)
 # the two builds of the flush kernel (kernel.flush_pool's two schedules)
-KERNELS = ("grid", "list")
+KERNELS = SCHEDULES
 
 # pointer arguments in kernel order, with their element types
 _POINTERS = {
@@ -123,7 +124,7 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
     if not isinstance(leapquant_flush_kernel, triton.runtime.jit.JITFunction):
         raise RuntimeError("the kernel was decorated under TRITON_INTERPRET=1; run the AOT check without it")
     if kernel not in KERNELS:
-        raise ValueError(f"kernel must be 'grid' or 'list', not {kernel!r}")
+        raise ValueError(f"kernel must be one of {KERNELS}, not {kernel!r}")
     geo = Geometry(2, 32, shape.head_k, shape.head_v, shape.ring, shape.rank, shape.gate)
     nw = num_warps or num_warps_for(shape.head_k, shape.head_v)
     maxnreg = maxnreg if maxnreg is not None else maxnreg_for(nw)  # the backend's launch
