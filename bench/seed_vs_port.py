@@ -26,8 +26,10 @@ from .flush import program_bytes
 from .timing import copy_bandwidth, time_replays
 
 
-def _load_seed(path: str):
-    spec = importlib.util.spec_from_file_location("leapquant_seed_kernel", path)
+def load_module(path: str, name: str = "leapquant_seed_kernel"):
+    """The Python file at ``path`` as a module (a kernel file outside the packages: the seed, or a copy of a backend's
+    kernel taken with git show), named ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -78,7 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed-file", required=True)
     ap.add_argument("--slots", type=int, default=264)
     args = ap.parse_args(argv)
-    seed = _load_seed(args.seed_file)
+    seed = load_module(args.seed_file)
     bw = copy_bandwidth(torch.device("cuda"), 1 << 30)["GBps"] * 1e9
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     gen = torch.Generator().manual_seed(0)

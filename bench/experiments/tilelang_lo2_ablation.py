@@ -1,14 +1,13 @@
 # experiment: what the lo2 piece costs; three builds of the TileLang kernel and the seed (bench/experiments/README.md)
-import importlib.util, copy, sys, torch, leapquant
+import copy, sys, torch, leapquant
 from leapquant import parity
 from leapquant.workloads import fill
 from leapquant_tilelang.backend import TileLangBackend
 from parity_tests.strategies import build_case
-from bench.seed_vs_port import _load_seed, _replay_median
+from bench.seed_vs_port import load_module, _replay_median
 
 def variant(path):
-    spec = importlib.util.spec_from_file_location(path.split("/")[-1][:-3], path)
-    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    mod = load_module(path, path.split("/")[-1][:-3])
     class B(TileLangBackend):
         name = "tl-" + path.split("/")[-1][:-3]
         def kernel(self, pool):
@@ -28,7 +27,7 @@ for regime in ("decayed", "gaussian", "realistic"):
     for b in vs:
         p = parity.measure(copy.deepcopy(case.pool), case.idx, b.name, check=False); s = p.summary()
         print(f"abl-parity {b.name} {regime:10s} mean {s['ratio_mean']:.4f} worst {s['ratio_worst']:.4f} ok={p.backend_ok()}", flush=True)
-seed = _load_seed(".device/seed_kernel.py")
+seed = load_module(".device/seed_kernel.py")
 gen = torch.Generator().manual_seed(0)
 mine = leapquant.Pool(513, 32, gate="kda", device="cuda"); rows = torch.arange(1, 257); fill(mine, rows, "gaussian", gen)
 theirs = seed.Pool(513, "cuda")

@@ -1,12 +1,11 @@
 # experiment: the port with the seed's numerics (.device/tl_v0.py) against the seed at two pool sizes, both orders,
 # through leapquant.flush and through the kernel directly (bench/experiments/README.md)
-import importlib.util, torch, leapquant
+import torch, leapquant
 from leapquant.workloads import fill
-from bench.seed_vs_port import _load_seed, _replay_median
+from bench.seed_vs_port import load_module, _replay_median
 
-spec = importlib.util.spec_from_file_location("tl_v0", ".device/tl_v0.py")
-v0 = importlib.util.module_from_spec(spec); spec.loader.exec_module(v0)
-seed = _load_seed(".device/seed_kernel.py")
+v0 = load_module(".device/tl_v0.py", "tl_v0")
+seed = load_module(".device/seed_kernel.py")
 scratch = torch.empty(2**26, device="cuda")
 for NS in (264, 513):
     gen = torch.Generator().manual_seed(0)

@@ -3,13 +3,13 @@
 # (the cost of the (row, head) programs that only read idx and hcnt). Graph replays, L2 evicted, medians.
 # Usage: python bench/experiments/triton_latency.py [grid|list|file:PATH ...]  (the default schedule, then each named
 # schedule of the working tree's kernel or another kernel.py copy, timed beside it)
-import importlib.util
 import statistics
 import sys
 
 import torch
 
 import leapquant
+from bench.seed_vs_port import load_module
 from bench.timing import Evictor, capture
 from leapquant.workloads import fill
 from leapquant_triton import kernel as kk
@@ -28,10 +28,7 @@ def launchers():
         if arg in ("grid", "list"):  # the working tree's kernel with this schedule
             yield arg, lambda p, ix, s=arg: kk.flush_pool(p, ix, schedule=s)
             continue
-        spec = importlib.util.spec_from_file_location("kernel_" + str(abs(hash(arg))), arg[5:])
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        yield arg, mod.flush_pool
+        yield arg, load_module(arg[5:], "kernel_" + str(abs(hash(arg)))).flush_pool
 
 
 # (rows, due (row, head) pairs among rows x 32)

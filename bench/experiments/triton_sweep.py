@@ -13,6 +13,7 @@ import torch
 
 import leapquant
 from bench.flush import floor_bytes, program_bytes
+from bench.seed_vs_port import load_module
 from bench.timing import capture, copy_bandwidth
 from leapquant import parity
 from leapquant.workloads import fill
@@ -20,7 +21,6 @@ from leapquant_triton import backend as tb
 from leapquant_triton.kernel import flush_pool
 from parity_tests.strategies import build_case
 
-import importlib.util
 import json
 
 import leapquant_triton.kernel as kk
@@ -39,16 +39,12 @@ _base_constants = kk.kernel_constants
 
 def launcher(nw, mr, var):
     if var == "old":
-        spec = importlib.util.spec_from_file_location("kernel_old", ".device/kernel_old.py")
-        old = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(old)
+        old = load_module(".device/kernel_old.py", "kernel_old")
         return lambda p, ix: old.flush_pool(p, ix, num_warps=nw)
     if var in ("grid", "list"):  # the working tree's kernel with this schedule (kernel.flush_pool)
         return lambda p, ix: flush_pool(p, ix, num_warps=nw, maxnreg=mr, schedule=var)
     if var.startswith("file:"):  # another version of leapquant_triton/kernel.py, e.g. from git show
-        spec = importlib.util.spec_from_file_location("kernel_" + str(abs(hash(var))), var[5:])
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        mod = load_module(var[5:], "kernel_" + str(abs(hash(var))))
         return lambda p, ix: mod.flush_pool(p, ix, num_warps=nw, maxnreg=mr)
     extra = json.loads(var) if var != "-" else {}
 
@@ -89,8 +85,8 @@ for nw, mr, var in configs:
             for gate in ("kda", "gdn"):
                 for i, regime in enumerate(("realistic", "lowrank", "large_columns", "decayed")):
                     case = build_case(heads=32, head_k=128, head_v=128, ring=16, rank=4, gate=gate,
-                                      convention="vllm", regime=regime, rows=parity_rows, due_frac=1.0, padding=2, seed=500 + i,
-                                      device="cuda")
+                                      convention="vllm", regime=regime, rows=parity_rows, due_frac=1.0, padding=2,
+                                      seed=500 + i, device="cuda")
                     pr = parity.measure(case.pool, case.idx, "triton", check=False)
                     s = pr.summary()
                     print(f"{tag} parity {gate} {regime:14s} mean {s['ratio_mean']:.5f} worst "
