@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -41,37 +43,59 @@ def driver() -> str:
         return f"unknown ({type(e).__name__})"
 
 
-def run_pytest(out: Path, profile: str, keyword: str, budget: float) -> tuple[int, dict, list[str]]:
-    """pytest in verbose mode, streamed to ``out/pytest.log`` and parsed line by line, so that a run stopped by its
-    ``budget`` (seconds) still reports every test it finished. Returns (exit code, counts per property, failures)."""
-    log = out / "pytest.log"
-    env = dict(os.environ, HYPOTHESIS_PROFILE=profile)
-    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", "parity_tests"]
-    if keyword:
-        cmd += ["-k", keyword]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
-        try:
-            rc = proc.wait(timeout=budget)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rc = -1
+# one test's verbose line: ``parity_tests/m.py::test[param] STATUS`` (one process), or
+# ``[gw0] [ 12%] STATUS parity_tests/m.py::test[param]`` (pytest-xdist workers)
+_SERIAL = re.compile(r"^parity_tests/(\w+)\.py::(\w+)(\[.*\])? (PASSED|FAILED|SKIPPED|ERROR)\b")
+_XDIST = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|SKIPPED|ERROR) parity_tests/(\w+)\.py::(\w+)(\[.*\])?\s*$")
+
+
+def parse_results(text: str) -> tuple[dict, list[str]]:
+    """Counts per property (``module::test backend``) and the failed test ids, from pytest's verbose output in either
+    form (:data:`_SERIAL`, :data:`_XDIST`)."""
     results: dict[str, dict[str, int]] = defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0})
     failures = []
-    pattern = re.compile(r"^parity_tests/(\w+)\.py::(\w+)(\[[^\]]*\])? (PASSED|FAILED|SKIPPED|ERROR)")
-    for line in log.read_text(errors="replace").splitlines():
-        m = pattern.match(line)
-        if not m:
+    for line in text.splitlines():
+        m = _SERIAL.match(line)
+        if m:
+            module, test, param, status = m.groups()
+        elif m := _XDIST.match(line):
+            status, module, test, param = m.groups()
+        else:
             continue
-        module, test, param, status = m.groups()
         backend = (param or "").strip("[]").split("-")[0]
         key = f"{module}::{test} {backend}".strip()
         status = {"PASSED": "passed", "SKIPPED": "skipped"}.get(status, "failed")
         results[key][status] += 1
         if status == "failed":
             failures.append(f"{module}::{test}{param or ''}")
-    return rc, dict(results), failures
+    return dict(results), failures
+
+
+def run_pytest(out: Path, profile: str, keyword: str, budget: float, workers: int = 1) -> tuple[int, dict, list[str]]:
+    """pytest in verbose mode, streamed to ``out/pytest.log`` and parsed line by line, so that a run stopped by its
+    ``budget`` (seconds) still reports every test it finished. ``workers`` > 1 spreads the tests over that many
+    processes with pytest-xdist where it is installed (the kernels' compiles, most of the time, then run side by side
+    on the machine's cores). Returns (exit code, counts per property, failures)."""
+    log = out / "pytest.log"
+    env = dict(os.environ, HYPOTHESIS_PROFILE=profile)
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=20", "-p", "no:cacheprovider", "parity_tests"]
+    if workers > 1 and importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", str(workers)]
+    if keyword:
+        cmd += ["-k", keyword]
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        # its own process group, so that a stop by the budget takes the xdist workers with it
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=budget)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = -1
+    results, failures = parse_results(log.read_text(errors="replace"))
+    return rc, results, failures
 
 
 def regime_table(rows: int, heads: int) -> tuple[list[dict], bool]:
@@ -122,6 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-pytest", action="store_true")
     ap.add_argument("-k", dest="keyword", default="", help="pytest -k expression (e.g. to leave out a backend's files)")
     ap.add_argument("--pytest-budget", type=float, default=240.0, help="seconds pytest may run; what finished counts")
+    ap.add_argument("--workers", type=int, default=1, help="pytest processes (pytest-xdist, where installed)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,12 +160,12 @@ def main(argv=None) -> int:
     table, ratios_ok = regime_table(args.rows, 32)
     print(f"regime table done ({time.time() - t0:.0f} s)", flush=True)
     rc, props, failures = (0, {}, []) if args.skip_pytest else run_pytest(out, args.profile, args.keyword,
-                                                                          args.pytest_budget)
+                                                                          args.pytest_budget, args.workers)
     print(f"pytest exit {rc} ({time.time() - t0:.0f} s)", flush=True)
     lines = ["# GPU parity report", "", "Command: `python -m parity_tests.gpu_suite` (the one-call wrapper is `bash parity_tests/run_on_device.sh`)", ""]
     only = os.environ.get("LEAPQUANT_TEST_BACKENDS", "")
     lines += [f"- {e}" for e in env] + [f"- backends under test: {only or 'all available'}; pytest -k: "
-                                        f"{args.keyword or '(none)'}"] + ["", "## Properties (pytest on the GPU machine)", "",
+                                        f"{args.keyword or '(none)'}; pytest processes: {args.workers}"] + ["", "## Properties (pytest on the GPU machine)", "",
                                         "| property / backend | passed | failed | skipped |", "| --- | ---: | ---: | ---: |"]
     for k in sorted(props):
         v = props[k]

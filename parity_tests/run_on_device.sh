@@ -6,7 +6,7 @@
 # with its own time limit so that one hang cannot eat the call (the device allows 10 minutes a command):
 #   1. the TileLang self-check (about 60 s with its compiles)
 #   2. the parity suite for the backends named in $BACKENDS (default triton,tilelang,reference): the per-regime
-#      table, then pytest within --pytest-budget; writes $OUT/gpu_report.md. The pytest part leaves out what does not
+#      table, then pytest within --pytest-budget ($PYTEST_WORKERS processes); writes $OUT/gpu_report.md. The pytest part leaves out what does not
 #      involve a GPU backend and runs in CI anyway (compile checks, simulation, benchmark smoke tests): $PYTEST_K
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -25,7 +25,9 @@ BACKENDS="${BACKENDS:-triton,tilelang,reference}"
 PYTEST_K="${PYTEST_K:-not tilelang_compile and not triton_portability and not test_simulate and not test_bench}"
 # PYTEST_BUDGET=0: the per-regime table only (a short re-check when little device time is left)
 PYTEST_BUDGET="${PYTEST_BUDGET:-330}"
-PYTEST_ARGS=(--pytest-budget "$PYTEST_BUDGET" -k "$PYTEST_K")
+# pytest processes on the device's 16 cores (pytest-xdist is in its Python): the compiles then run side by side
+PYTEST_WORKERS="${PYTEST_WORKERS:-6}"
+PYTEST_ARGS=(--pytest-budget "$PYTEST_BUDGET" --workers "$PYTEST_WORKERS" -k "$PYTEST_K")
 [ "$PYTEST_BUDGET" = 0 ] && PYTEST_ARGS=(--skip-pytest)
 LEAPQUANT_TEST_BACKENDS="$BACKENDS" timeout 420 python3 -m parity_tests.gpu_suite --profile dev --out "$OUT" \
     "${PYTEST_ARGS[@]}" > "$OUT/suite.log" 2>&1
