@@ -71,15 +71,19 @@ def parse_results(text: str) -> tuple[dict, list[str]]:
     return dict(results), failures
 
 
+def pytest_processes(requested: int) -> int:
+    """How many processes pytest runs in: ``requested`` where pytest-xdist is installed, else one."""
+    return requested if requested > 1 and importlib.util.find_spec("xdist") is not None else 1
+
+
 def run_pytest(out: Path, profile: str, keyword: str, budget: float, workers: int = 1) -> tuple[int, dict, list[str]]:
     """pytest in verbose mode, streamed to ``out/pytest.log`` and parsed line by line, so that a run stopped by its
-    ``budget`` (seconds) still reports every test it finished. ``workers`` > 1 spreads the tests over that many
-    processes with pytest-xdist where it is installed (the kernels' compiles, most of the time, then run side by side
-    on the machine's cores). Returns (exit code, counts per property, failures)."""
+    ``budget`` (seconds) still reports every test it finished; in ``workers`` processes (:func:`pytest_processes`),
+    which run the tests side by side on the machine's cores. Returns (exit code, counts per property, failures)."""
     log = out / "pytest.log"
     env = dict(os.environ, HYPOTHESIS_PROFILE=profile)
     cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=20", "-p", "no:cacheprovider", "parity_tests"]
-    if workers > 1 and importlib.util.find_spec("xdist") is not None:
+    if pytest_processes(workers) > 1:
         cmd += ["-n", str(workers)]
     if keyword:
         cmd += ["-k", keyword]
@@ -164,9 +168,11 @@ def main(argv=None) -> int:
     print(f"pytest exit {rc} ({time.time() - t0:.0f} s)", flush=True)
     lines = ["# GPU parity report", "", "Command: `python -m parity_tests.gpu_suite` (the one-call wrapper is `bash parity_tests/run_on_device.sh`)", ""]
     only = os.environ.get("LEAPQUANT_TEST_BACKENDS", "")
-    lines += [f"- {e}" for e in env] + [f"- backends under test: {only or 'all available'}; pytest -k: "
-                                        f"{args.keyword or '(none)'}; pytest processes: {args.workers}"] + ["", "## Properties (pytest on the GPU machine)", "",
-                                        "| property / backend | passed | failed | skipped |", "| --- | ---: | ---: | ---: |"]
+    lines += [f"- {e}" for e in env]
+    lines += [f"- backends under test: {only or 'all available'}; pytest -k: {args.keyword or '(none)'}; pytest "
+              f"processes: {pytest_processes(args.workers)}"]
+    lines += ["", "## Properties (pytest on the GPU machine)", "", "| property / backend | passed | failed | skipped |",
+              "| --- | ---: | ---: | ---: |"]
     for k in sorted(props):
         v = props[k]
         lines.append(f"| {k} | {v['passed']} | {v['failed']} | {v['skipped']} |")

@@ -6,8 +6,9 @@
 # with its own time limit so that one hang cannot eat the call (the device allows 10 minutes a command):
 #   1. the TileLang self-check (about 60 s with its compiles)
 #   2. the parity suite for the backends named in $BACKENDS (default triton,tilelang,reference): the per-regime
-#      table, then pytest within --pytest-budget ($PYTEST_WORKERS processes); writes $OUT/gpu_report.md. The pytest part leaves out what does not
-#      involve a GPU backend and runs in CI anyway (compile checks, simulation, benchmark smoke tests): $PYTEST_K
+#      table, then pytest within --pytest-budget in $PYTEST_WORKERS processes; writes $OUT/gpu_report.md. The pytest
+#      part leaves out what does not involve a GPU backend and runs in CI anyway (compile checks, simulation,
+#      benchmark smoke tests): $PYTEST_K
 set -o pipefail
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
