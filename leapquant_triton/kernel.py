@@ -520,7 +520,7 @@ def _pdl(device: torch.device) -> bool:
     return not _interpreting() and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-# the two schedules of flush_pool (also the two builds the AOT check compiles: portability.KERNELS)
+# the two schedules of flush_pool (also the two builds the AOT check compiles: portability.check)
 SCHEDULES = ("grid", "list")
 
 

@@ -20,7 +20,8 @@ pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler")
 
 from leapquant_triton.backend import SUPPORTED_CAPABILITIES  # noqa: E402
-from leapquant_triton.portability import KERNELS, MAX_SPILL_BYTES  # noqa: E402
+from leapquant_triton.kernel import SCHEDULES  # noqa: E402
+from leapquant_triton.portability import MAX_SPILL_BYTES  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,9 +37,9 @@ def test_claimed_architectures_fit():
     res = _run("--quick", "--arch", ",".join(map(str, SUPPORTED_CAPABILITIES)))
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("sm_")]
-    assert len(rows) == 2 * len(KERNELS) * len(SUPPORTED_CAPABILITIES), res.stdout
+    assert len(rows) == 2 * len(SCHEDULES) * len(SUPPORTED_CAPABILITIES), res.stdout
     for line in rows:
-        kernels = "|".join(KERNELS)
+        kernels = "|".join(SCHEDULES)
         m = re.search(rf" (?:{kernels}) +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B +smem +([\d.]+)/(\d+) KiB",
                       line)
         assert m, line

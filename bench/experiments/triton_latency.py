@@ -25,7 +25,7 @@ evict = Evictor(dev)
 def launchers():
     yield "default", kk.flush_pool
     for arg in sys.argv[1:]:
-        if arg in ("grid", "list"):  # the working tree's kernel with this schedule
+        if arg in kk.SCHEDULES:  # the working tree's kernel with this schedule
             yield arg, lambda p, ix, s=arg: kk.flush_pool(p, ix, schedule=s)
             continue
         yield arg, load_module(arg[5:], "kernel_" + str(abs(hash(arg)))).flush_pool

@@ -41,7 +41,7 @@ def launcher(nw, mr, var):
     if var == "old":
         old = load_module(".device/kernel_old.py", "kernel_old")
         return lambda p, ix: old.flush_pool(p, ix, num_warps=nw)
-    if var in ("grid", "list"):  # the working tree's kernel with this schedule (kernel.flush_pool)
+    if var in kk.SCHEDULES:  # the working tree's kernel with this schedule (kernel.flush_pool)
         return lambda p, ix: flush_pool(p, ix, num_warps=nw, maxnreg=mr, schedule=var)
     if var.startswith("file:"):  # another version of leapquant_triton/kernel.py, e.g. from git show
         mod = load_module(var[5:], "kernel_" + str(abs(hash(var))))
