@@ -1,7 +1,8 @@
 """Argument validation: every failure is a ValueError or TypeError that names the argument and what was expected.
 
-Never ``assert`` (stripped under ``python -O``). The checks of :func:`check_idx` read ``idx`` on the host, so they
-synchronise; ``flush(..., check=False)`` skips them for CUDA-graph capture.
+Never ``assert`` (stripped under ``python -O``). The value checks of :func:`check_idx` read ``idx`` on the host, so
+they synchronise; ``flush(..., check=False)`` skips them for CUDA-graph capture and runs :func:`check_idx_layout`
+(metadata only) instead.
 """
 
 from __future__ import annotations
@@ -93,8 +94,13 @@ def check_pool(pool: "Pool") -> None:
         raise ValueError("pool.q0 must be contiguous")
 
 
-def check_idx(pool: "Pool", idx) -> None:
-    """``idx``: int32 ``[N]`` on the pool's device; real slots distinct; padding as the pool's convention says."""
+def check_idx_layout(pool: "Pool", idx) -> None:
+    """``idx`` is an int32 ``[N]`` contiguous tensor on the pool's device: its metadata only, no synchronisation.
+
+    ``flush`` runs this even with ``check=False``: the kernels read ``idx`` as consecutive words, so a strided view
+    names other slots than the caller's and flushes them without any error (bench/experiments/strided_idx.py: the
+    view [3, 7] of [3, 5, 7, 2] flushes slots 3 and 5); and the contract is int32 for every backend.
+    """
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"idx must be a torch.Tensor of int32, got {type(idx).__name__}")
     if idx.dtype != torch.int32:
@@ -104,7 +110,12 @@ def check_idx(pool: "Pool", idx) -> None:
     if idx.device != pool.device:
         raise ValueError(f"idx must be on the pool's device {pool.device}, got {idx.device}")
     if not idx.is_contiguous():
-        raise ValueError("idx must be contiguous")
+        raise ValueError(f"idx must be contiguous (stride {idx.stride()})")
+
+
+def check_idx(pool: "Pool", idx) -> None:
+    """``idx``: int32 ``[N]`` on the pool's device; real slots distinct; padding as the pool's convention says."""
+    check_idx_layout(pool, idx)
     if idx.numel() == 0:
         return
     host = idx.cpu()

@@ -1,8 +1,11 @@
 """The public flush: ``flush`` (in place on a pool) and ``run`` (functional), and the ``torch.library`` op behind them.
 
-``flush`` goes through the custom op ``leapquant::flush``, which declares the pool tensors it mutates and has a fake
-implementation, so engine code under ``torch.compile`` sees one opaque op and CUDA graphs capture the backend's
-launches as they are.
+Under ``torch.compile``, ``flush`` goes through the custom op ``leapquant::flush``, which declares the pool tensors it
+mutates and has a fake implementation, so the compiled graph holds one opaque op. In eager code (and under CUDA-graph
+capture) it calls the backend directly: the custom op's Python dispatch of a mutating op costs ~100-200 us of host
+time per call on its own (bench/NOTES.md, "Session 9"), more than the flush takes on the GPU when few programs are due.
+Either way the backend runs with the pool's GPU as the current device, since Triton and TileLang launch on the current
+device and its current stream, not on the device of the tensors they are given.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from typing import Literal, Optional
 import torch
 
 from .backends import Backend, get, resolve
-from .checks import check_idx, check_pool
+from .checks import check_idx, check_idx_layout, check_pool
 from .pool import Pool
 
 BackendName = Literal["auto", "reference", "triton", "tilelang"] | str
@@ -52,23 +55,46 @@ def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: b
         backend: ``"auto"`` (the fastest backend that supports this pool here), ``"reference"`` (fp32 torch, any
             device), ``"triton"`` (CUDA sm_80+; CPU under ``TRITON_INTERPRET=1``), ``"tilelang"`` (CUDA sm_90 /
             sm_100, 32 heads of 128 x 128, ring 16), or the name of a backend registered by another package.
-        check: validate the pool and ``idx`` first (reads ``idx`` on the host: a synchronisation). Pass ``False``
-            on the hot path and under CUDA-graph capture; out-of-range entries are then skipped, never written.
+        check: validate the pool and the values of ``idx`` first (reads ``idx`` on the host: a synchronisation).
+            Pass ``False`` on the hot path and under CUDA-graph capture: then only ``idx``'s dtype, shape, device and
+            contiguity are checked (metadata, no synchronisation), and out-of-range entries are skipped, never written.
 
     Raises:
-        TypeError, ValueError: with ``check=True``, a wrong dtype, device, shape or stride of the pool or ``idx``, an
-            ``idx`` value out of range, or a slot named twice.
+        TypeError, ValueError: a wrong dtype, shape, device or stride of ``idx``; with ``check=True`` also of the
+            pool's tensors, an ``idx`` value out of range, or a slot named twice.
         leapquant.BackendError: unknown backend, or one that cannot run here (the message says why).
     """
     if check:
         check_pool(pool)
         check_idx(pool, idx)
-    b = select(pool, backend)
+    else:
+        check_idx_layout(pool, idx)
+    if not torch.compiler.is_compiling():
+        _launch(select(pool, backend), pool, idx)
+        return
     g = pool.geometry
     torch.ops.leapquant.flush(
         pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt, pool.q0, idx,
-        g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters, b.name,
+        g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters,
+        _backend_name(pool, backend),
     )
+
+
+@torch.compiler.assume_constant_result
+def _backend_name(pool: Pool, backend: BackendName) -> str:
+    """The chosen backend's name, a constant of the compiled graph: torch.compile runs the choice (entry points,
+    device queries) eagerly while it traces instead of tracing into it."""
+    return select(pool, backend).name
+
+
+def _launch(b: Backend, pool: Pool, idx: torch.Tensor) -> None:
+    """``b.flush(pool, idx)`` with the pool's GPU current (restored afterwards): a pool on ``cuda:1`` flushed while
+    ``cuda:0`` is current would otherwise be launched on ``cuda:0``."""
+    if pool.device.type != "cuda":
+        b.flush(pool, idx)
+        return
+    with torch.cuda.device(pool.device):
+        b.flush(pool, idx)
 
 
 @torch.library.custom_op(
@@ -100,7 +126,7 @@ def _flush_op(
         num_slots=num_slots, heads=heads, head_k=head_k, head_v=head_v, ring=ring, rank=rank, gate=gate,
         convention=convention, iters=iters,
     )
-    get(backend).flush(pool, idx)
+    _launch(get(backend), pool, idx)
 
 
 @_flush_op.register_fake

@@ -187,21 +187,36 @@ def _pool():
     return leapquant.Pool(4, 2)
 
 
+# what flush checks even with check=False (metadata, no synchronisation): the kernels read idx as consecutive words
+# (a strided view would name other slots), and every backend's contract is int32
+BAD_IDX_LAYOUT = [
+    (lambda: [1, 2], TypeError, "torch.Tensor"),
+    (lambda: torch.tensor([1, 2], dtype=torch.int64), TypeError, "int32"),
+    (lambda: torch.tensor([[1, 2]], dtype=torch.int32), ValueError, "1-D"),
+    (lambda: torch.tensor([1, 2, 3, 4], dtype=torch.int32)[::2], ValueError, "contiguous"),
+    (lambda: torch.tensor([1, 2], dtype=torch.int32, device="meta"), ValueError, "pool's device"),
+]
+# what only check=True can see (the values: a synchronisation)
+BAD_IDX_VALUES = [
+    (lambda: torch.tensor([1, 4], dtype=torch.int32), ValueError, "idx values"),
+    (lambda: torch.tensor([-1, 2], dtype=torch.int32), ValueError, "idx values"),
+    (lambda: torch.tensor([1, 2, 1], dtype=torch.int32), ValueError, "more than once"),
+]
+
+
 @pytest.mark.parametrize(
-    "make_idx,exc,words",
-    [
-        (lambda: [1, 2], TypeError, "torch.Tensor"),
-        (lambda: torch.tensor([1, 2], dtype=torch.int64), TypeError, "int32"),
-        (lambda: torch.tensor([[1, 2]], dtype=torch.int32), ValueError, "1-D"),
-        (lambda: torch.tensor([1, 4], dtype=torch.int32), ValueError, "idx values"),
-        (lambda: torch.tensor([-1, 2], dtype=torch.int32), ValueError, "idx values"),
-        (lambda: torch.tensor([1, 2, 1], dtype=torch.int32), ValueError, "more than once"),
-        (lambda: torch.tensor([1, 2, 3, 4], dtype=torch.int32)[::2], ValueError, "contiguous"),
-    ],
+    "make_idx,exc,words,check",
+    [(*c, True) for c in BAD_IDX_LAYOUT + BAD_IDX_VALUES] + [(*c, False) for c in BAD_IDX_LAYOUT],
 )
-def test_bad_idx(make_idx, exc, words):
+def test_bad_idx(make_idx, exc, words, check):
+    pool = leapquant.Pool(4, 2)
+    fill(pool, [1, 2, 3], "gaussian", torch.Generator().manual_seed(3))
+    before = pool.raw.view(torch.int32).clone(), pool.w.clone()
+    assert bool(pool.due(torch.tensor([1, 2], dtype=torch.int32)).any()), "the case must have due programs"
     with pytest.raises(exc, match=words):
-        leapquant.flush(_pool(), make_idx(), backend="reference")
+        leapquant.flush(pool, make_idx(), backend="reference", check=check)
+    assert torch.equal(pool.raw.view(torch.int32), before[0]) and torch.equal(pool.w, before[1]), \
+        "a rejected flush wrote the pool"
 
 
 def test_padding_repeats_are_fine():
@@ -347,6 +362,36 @@ def test_flush_under_torch_compile():
                                   g.head_v, g.ring, g.rank, g.gate, "vllm", 1, "reference")
 
     step(pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt, pool.q0, idx)
+    leapquant.flush(twin, idx, backend="reference")
+    assert torch.equal(pool.raw.view(torch.int32), twin.raw.view(torch.int32))
+    assert torch.equal(pool.w, twin.w) and torch.equal(pool.gbuf, twin.gbuf)
+
+
+def test_flush_interface_under_torch_compile(monkeypatch):
+    """``leapquant.flush(pool, idx, check=False)`` itself compiles into one graph (the backend chosen while tracing,
+    from cold caches: the entry points are read eagerly, not traced) and flushes as in eager mode."""
+    import importlib
+
+    from leapquant import ops
+
+    registry = importlib.import_module("leapquant.backends")._registry  # (the package's `backends` is a function)
+
+    pool = leapquant.Pool(4, 2)
+    fill(pool, [1, 2, 3], "gaussian", torch.Generator().manual_seed(4))
+    twin = leapquant.Pool(4, 2)
+    for name in ("raw", "kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt"):
+        getattr(twin, name).copy_(getattr(pool, name))
+    idx = torch.tensor([3, 0, 1], dtype=torch.int32)
+    assert bool(pool.due(idx).any()), "the case must have due programs"
+    monkeypatch.setattr(ops, "_CHOSEN", {})
+    registry.cache_clear()
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def step(idx):
+        leapquant.flush(pool, idx, backend="auto", check=False)
+
+    step(idx)
     leapquant.flush(twin, idx, backend="reference")
     assert torch.equal(pool.raw.view(torch.int32), twin.raw.view(torch.int32))
     assert torch.equal(pool.w, twin.w) and torch.equal(pool.gbuf, twin.gbuf)
