@@ -1,0 +1,61 @@
+"""A pool on the second GPU, flushed while the first is the current device (two or more CUDA devices only).
+
+Triton and TileLang launch on the *current* device and its current stream, whatever device the tensors they are given
+live on; an engine process that holds pools on several GPUs (or a test harness) need not make each one current before
+it flushes. ``leapquant.flush`` and the custom op make the pool's GPU current around the backend's launches. Each case
+flushes the pool with ``cuda:0`` current, and a twin with ``cuda:1`` current, and compares them bit for bit.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import leapquant
+from leapquant.workloads import fill
+
+from .conftest import backends_here
+
+if not (torch.cuda.is_available() and torch.cuda.device_count() >= 2):
+    pytest.skip("needs two CUDA devices", allow_module_level=True)
+BACKENDS = backends_here("cuda")
+
+
+def _state(pool):
+    return [pool.raw, pool.w, pool.pcum, pool.hcnt] + ([pool.gbuf] if pool.gbuf is not None else [])
+
+
+def _op(pool, idx, backend):
+    g = pool.geometry
+    torch.ops.leapquant.flush(pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt, pool.q0, idx,
+                              g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention,
+                              pool.iters, backend)
+
+
+@pytest.mark.parametrize("path", ["flush", "flush-check", "op"])
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pool_on_a_gpu_that_is_not_current(backend, gate, path):
+    dev = torch.device("cuda", 1)
+    pool = leapquant.Pool(12, 32, gate=gate, device=dev)
+    gen = torch.Generator().manual_seed(33)
+    fill(pool, torch.arange(1, 12), "gaussian", gen, due=torch.rand(11, 32, generator=gen) < 0.5)
+    idx = torch.tensor([3, 0, 7, 1, 9, 0, 11, 5], dtype=torch.int32, device=dev)
+    due = pool.due(idx)
+    assert bool(due.any()), "the case must flush something"
+    twin = copy.deepcopy(pool)
+    with torch.cuda.device(1):
+        leapquant.flush(twin, idx, backend=backend)
+    torch.cuda.synchronize(dev)
+
+    with torch.cuda.device(0):
+        if path == "op":
+            _op(pool, idx, backend)
+        else:
+            leapquant.flush(pool, idx, backend=backend, check=path == "flush-check")
+        assert torch.cuda.current_device() == 0, "the flush left another device current"
+    torch.cuda.synchronize(dev)
+    for a, b in zip(_state(pool), _state(twin)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (backend, gate, path)
+    rows = idx.long()[:, None].expand_as(due)[due], torch.arange(32, device=dev).expand_as(due)[due]
+    assert bool((pool.w[rows] == 0).all()), "the due programs were not flushed"
