@@ -18,7 +18,6 @@ import argparse
 import collections
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -34,13 +33,6 @@ DEFAULT_BACKENDS = ("triton", "tilelang", "reference")
 SHARES = {"step": 30, "triton": 75, "tilelang": 85, "reference": 40}
 BUDGET = {"full": 210.0, "quick": 120.0, "cpu": 120.0}
 GRACE_S = 20.0
-
-
-def device_slug(name: str) -> str:
-    """``"NVIDIA H200"`` -> ``"h200"``; ``"NVIDIA H100 80GB HBM3"`` -> ``"h100_80gb_hbm3"``."""
-    s = re.sub(r"^(nvidia|amd)\s+", "", name.strip(), flags=re.I).lower()
-    s = re.sub(r"[^a-z0-9]+", "_", s).strip("_")
-    return s or "unknown"
 
 
 def _order(backends: list[str]) -> list[str]:
@@ -117,6 +109,7 @@ def _close_out(rows: list[dict], backend: str, plan_, status: dict) -> list[dict
 def _write(args, plan_, backends, records, meta, device, t0, final: bool):
     """Build the results from the records so far and write JSON + markdown (and, when ``final``, the plot)."""
     from . import report
+    from .timing import device_slug
 
     meta["wall_s"] = round(time.time() - t0, 1)
     meta["complete"] = final

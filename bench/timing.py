@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -174,6 +175,13 @@ def nvidia_smi() -> dict:
         return {"name": name, "driver": driver}
     except Exception as e:  # no nvidia-smi on the CPU machine
         return {"error": f"{type(e).__name__}: {e}"}
+
+
+def device_slug(name: str) -> str:
+    """``"NVIDIA H200"`` -> ``"h200"``; ``"NVIDIA H100 80GB HBM3"`` -> ``"h100_80gb_hbm3"``."""
+    s = re.sub(r"^(nvidia|amd)\s+", "", name.strip(), flags=re.I).lower()
+    s = re.sub(r"[^a-z0-9]+", "_", s).strip("_")
+    return s or "unknown"
 
 
 def device_info(device: torch.device) -> dict:

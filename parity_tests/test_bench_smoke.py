@@ -54,3 +54,20 @@ def test_cpu_smoke_end_to_end(tmp_path):
         assert (tmp_path / "flush_cpu.png").stat().st_size > 1000
     else:
         assert "matplotlib" in doc["plot_error"]
+
+
+def test_host_overhead_smoke(tmp_path):
+    """``python -m bench.host_overhead`` on the CPU: every path timed for the reference backend, an unknown backend
+    listed with its reason, the JSON and the markdown table written."""
+    from bench import host_overhead
+
+    assert host_overhead.main(["--device", "cpu", "--backends", "reference,nonesuch", "--rows", "1", "--calls", "2",
+                               "--rounds", "2", "--warmup", "1", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "host_overhead_cpu.json").read_text())
+    ref = doc["results"]["reference"]
+    assert ref["status"] == "ok"
+    for path in host_overhead.PATHS:
+        assert ref[path]["wall_us"] >= ref[path]["host_us"] > 0 and ref[path]["calls"] == 2
+    assert doc["results"]["nonesuch"] == {"status": "unavailable", "reason": "unknown backend"}
+    md = (tmp_path / "host_overhead_cpu.md").read_text()
+    assert "| reference |" in md and "| nonesuch | unknown backend |" in md

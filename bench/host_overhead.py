@@ -1,0 +1,160 @@
+"""Host time per eager ``flush`` call: what an engine that does not replay a CUDA graph pays on its CPU.
+
+    python -m bench.host_overhead                    # every backend available on the GPU
+    python -m bench.host_overhead --device cpu       # the reference backend on the CPU (smoke)
+
+Each path is called back to back ``--calls`` times per round, ``--rounds`` rounds after a warm-up; per round the host
+time to return from the calls and the wall time until the GPU has finished them are divided by the calls. With no
+program due (every ring below ``L``) the GPU's share is short, so the wall time is the host time unless a path
+launches more work than its host time covers. Paths:
+
+* ``flush``: ``leapquant.flush(pool, idx, backend=b, check=False)``, the hot path;
+* ``flush+check``: the same with ``check=True`` (reads ``idx`` on the host: a synchronisation per call);
+* ``op``: ``torch.ops.leapquant.flush(...)``, the custom op that ``torch.compile`` graphs hold; before session 9 the
+  eager ``flush`` called it too;
+* ``backend``: ``leapquant.get_backend(b).flush(pool, idx)``, the backend's own launches without the interface.
+
+Writes ``<out>/host_overhead_<device>.json`` and ``.md`` with the device, CPU and library versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import leapquant
+
+from .timing import device_info, device_slug, module_version, nvidia_smi
+
+PATHS = ("flush", "flush+check", "op", "backend")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _calls(pool, idx, backend: str) -> dict:
+    g = pool.geometry
+    op_args = (pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt, pool.q0, idx, g.num_slots,
+               g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters, backend)
+    b = leapquant.get_backend(backend)
+    return {
+        "flush": lambda: leapquant.flush(pool, idx, backend=backend, check=False),
+        "flush+check": lambda: leapquant.flush(pool, idx, backend=backend, check=True),
+        "op": lambda: torch.ops.leapquant.flush(*op_args),
+        "backend": lambda: b.flush(pool, idx),
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(fn, device: torch.device, calls: int, rounds: int, warmup: int) -> dict:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    host, wall = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        _sync(device)
+        t2 = time.perf_counter()
+        host.append((t1 - t0) / calls * 1e6)
+        wall.append((t2 - t0) / calls * 1e6)
+    return {"host_us": statistics.median(host), "host_min_us": min(host), "wall_us": statistics.median(wall),
+            "calls": calls, "rounds": rounds}
+
+
+def run(device: torch.device, backends: list[str], rows: int, calls: int, rounds: int, warmup: int) -> dict:
+    pool = leapquant.Pool(2 * rows + 1, 32, gate="kda", device=device)
+    idx = torch.arange(1, rows + 1, dtype=torch.int32, device=device)
+    pool.hcnt.fill_(pool.ring - 1)  # nothing due: the GPU's part is the launches and the due test
+    results = {}
+    for name in backends:
+        ok, why = leapquant.get_backend(name).supports(pool) if name in _known() else (False, "unknown backend")
+        if not ok:
+            results[name] = {"status": "unavailable", "reason": why}
+            continue
+        results[name] = {"status": "ok", **{p: measure(fn, device, calls, rounds, warmup)
+                                            for p, fn in _calls(pool, idx, name).items()}}
+        r = results[name]
+        print(f"{name:>10}: " + "  ".join(f"{p} {r[p]['host_us']:.1f} us" for p in PATHS), flush=True)
+    smi = nvidia_smi() if device.type == "cuda" else {}
+    return {
+        "what": "host time per eager flush call, nothing due (leapquant.flush and the paths below it)",
+        "case": {"rows": rows, "heads": 32, "gate": "kda", "head_k": 128, "head_v": 128, "ring": 16, "due": 0},
+        "device": device_info(device), "driver": smi.get("driver"), "cpu": _cpu_model(),
+        "versions": {m: module_version(m) for m in ("leapquant", "triton", "tilelang")},
+        "results": results,
+    }
+
+
+def _known() -> set[str]:
+    return {i.name for i in leapquant.backends()}
+
+
+def markdown(doc: dict) -> str:
+    d = doc["device"]
+    v = doc["versions"]
+    lines = [
+        "# Host time per eager flush call",
+        "",
+        f"{d['name']} ({d.get('capability')}), driver {doc['driver']}, CPU {doc['cpu']}; torch {d['torch']}, "
+        f"CUDA {d['cuda']}, Triton {v['triton']}, TileLang {v['tilelang']}. KDA, {doc['case']['rows']} rows x 32 "
+        "heads, nothing due. Median over rounds of back-to-back calls (bench/host_overhead.py: host = until the "
+        "calls return, wall = until the device has finished them).",
+        "",
+        "| backend | " + " | ".join(f"{p} host / wall" for p in PATHS) + " |",
+        "| --- |" + " ---: |" * len(PATHS),
+    ]
+    for name, r in doc["results"].items():
+        if r["status"] != "ok":
+            lines.append(f"| {name} | " + " | ".join([r["reason"]] + [""] * (len(PATHS) - 1)) + " |")
+            continue
+        lines.append(f"| {name} | " + " | ".join(f"{r[p]['host_us']:.1f} / {r[p]['wall_us']:.1f} us"
+                                                  for p in PATHS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backends", default=None, help="comma-separated; default: every backend available here")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    names = args.backends.split(",") if args.backends else [i.name for i in leapquant.backends() if i.available]
+    if device.type == "cpu" and not args.backends:
+        names = ["reference"]
+    doc = run(device, names, args.rows, args.calls, args.rounds, args.warmup)
+    slug = "cpu" if device.type == "cpu" else device_slug(doc["device"]["name"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"host_overhead_{slug}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / f"host_overhead_{slug}.md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
