@@ -39,7 +39,11 @@ except Exception as e:
 def main(argv) -> int:
     names = argv or ["triton", "tilelang", "reference"]
     for name in names:
-        r = subprocess.run([sys.executable, "-c", CHILD, name], capture_output=True, text=True, timeout=300)
+        try:
+            r = subprocess.run([sys.executable, "-c", CHILD, name], capture_output=True, text=True, timeout=90)
+        except subprocess.TimeoutExpired:
+            print(f"{name}: no answer within 90 s (a hang)", flush=True)
+            continue
         out = (r.stdout.strip().splitlines() or [""])[-1]
         err = (r.stderr.strip().splitlines() or [""])[-1]
         print(out if out else f"{name}: child exited {r.returncode}: {err[:200]}", flush=True)
