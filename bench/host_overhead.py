@@ -141,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=30)
     ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--profile", default=None, metavar="BACKEND",
+                    help="also print where the host time of BACKEND's own launch goes (cProfile, top 25 by own time)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     names = args.backends.split(",") if args.backends else [i.name for i in leapquant.backends() if i.available]
@@ -153,7 +155,28 @@ def main(argv=None) -> int:
     (out / f"host_overhead_{slug}.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out / f"host_overhead_{slug}.md").write_text(markdown(doc))
     print(markdown(doc))
+    if args.profile:
+        profile(device, args.profile, args.rows, args.calls)
     return 0
+
+
+def profile(device: torch.device, backend: str, rows: int, calls: int) -> None:
+    import cProfile
+    import pstats
+
+    pool = leapquant.Pool(2 * rows + 1, 32, gate="kda", device=device)
+    idx = torch.arange(1, rows + 1, dtype=torch.int32, device=device)
+    pool.hcnt.fill_(pool.ring - 1)
+    fn = _calls(pool, idx, backend)["backend"]
+    measure(fn, device, calls, 1, 30)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    _sync(device)
+    print(f"\n{backend}: the backend's own launch, {calls} calls, by own time")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 if __name__ == "__main__":

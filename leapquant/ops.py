@@ -14,7 +14,7 @@ from typing import Literal, Optional
 
 import torch
 
-from .backends import Backend, get, resolve
+from .backends import Backend, resolve
 from .checks import check_idx, check_idx_layout, check_pool
 from .pool import Pool
 
@@ -72,19 +72,12 @@ def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: b
     if not torch.compiler.is_compiling():
         _launch(select(pool, backend), pool, idx)
         return
+    # the op resolves the name when it runs (the choice reads entry points and device properties: not traceable)
     g = pool.geometry
     torch.ops.leapquant.flush(
         pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt, pool.q0, idx,
-        g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters,
-        _backend_name(pool, backend),
+        g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters, backend,
     )
-
-
-@torch.compiler.assume_constant_result
-def _backend_name(pool: Pool, backend: BackendName) -> str:
-    """The chosen backend's name, a constant of the compiled graph: torch.compile runs the choice (entry points,
-    device queries) eagerly while it traces instead of tracing into it."""
-    return select(pool, backend).name
 
 
 def _launch(b: Backend, pool: Pool, idx: torch.Tensor) -> None:
@@ -126,7 +119,7 @@ def _flush_op(
         num_slots=num_slots, heads=heads, head_k=head_k, head_v=head_v, ring=ring, rank=rank, gate=gate,
         convention=convention, iters=iters,
     )
-    _launch(get(backend), pool, idx)
+    _launch(select(pool, backend), pool, idx)
 
 
 @_flush_op.register_fake

@@ -368,8 +368,9 @@ def test_flush_under_torch_compile():
 
 
 def test_flush_interface_under_torch_compile(monkeypatch):
-    """``leapquant.flush(pool, idx, check=False)`` itself compiles into one graph (the backend chosen while tracing,
-    from cold caches: the entry points are read eagerly, not traced) and flushes as in eager mode."""
+    """``leapquant.flush(pool, idx, check=False)`` itself compiles into one graph, from cold caches (the custom op
+    resolves the backend when it runs: the entry points and device queries are not traced), and flushes as in eager
+    mode."""
     import importlib
 
     from leapquant import ops

@@ -37,16 +37,16 @@ def _op(pool, idx, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_pool_on_a_gpu_that_is_not_current(backend, gate, path):
     dev = torch.device("cuda", 1)
-    pool = leapquant.Pool(12, 32, gate=gate, device=dev)
-    gen = torch.Generator().manual_seed(33)
-    fill(pool, torch.arange(1, 12), "gaussian", gen, due=torch.rand(11, 32, generator=gen) < 0.5)
-    idx = torch.tensor([3, 0, 7, 1, 9, 0, 11, 5], dtype=torch.int32, device=dev)
-    due = pool.due(idx)
-    assert bool(due.any()), "the case must flush something"
-    twin = copy.deepcopy(pool)
-    with torch.cuda.device(1):
+    with torch.cuda.device(dev):  # everything but the flush under test with the pool's GPU current
+        pool = leapquant.Pool(12, 32, gate=gate, device=dev)
+        gen = torch.Generator().manual_seed(33)
+        fill(pool, torch.arange(1, 12), "gaussian", gen, due=torch.rand(11, 32, generator=gen) < 0.5)
+        idx = torch.tensor([3, 0, 7, 1, 9, 0, 11, 5], dtype=torch.int32, device=dev)
+        due = pool.due(idx)
+        assert bool(due.any()), "the case must flush something"
+        twin = copy.deepcopy(pool)
         leapquant.flush(twin, idx, backend=backend)
-    torch.cuda.synchronize(dev)
+        torch.cuda.synchronize(dev)
 
     with torch.cuda.device(0):
         if path == "op":
@@ -54,8 +54,10 @@ def test_pool_on_a_gpu_that_is_not_current(backend, gate, path):
         else:
             leapquant.flush(pool, idx, backend=backend, check=path == "flush-check")
         assert torch.cuda.current_device() == 0, "the flush left another device current"
-    torch.cuda.synchronize(dev)
-    for a, b in zip(_state(pool), _state(twin)):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (backend, gate, path)
-    rows = idx.long()[:, None].expand_as(due)[due], torch.arange(32, device=dev).expand_as(due)[due]
-    assert bool((pool.w[rows] == 0).all()), "the due programs were not flushed"
+
+    with torch.cuda.device(dev):
+        torch.cuda.synchronize(dev)
+        for a, b in zip(_state(pool), _state(twin)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (backend, gate, path)
+        rows = idx.long()[:, None].expand_as(due)[due], torch.arange(32, device=dev).expand_as(due)[due]
+        assert bool((pool.w[rows] == 0).all()), "the due programs were not flushed"
