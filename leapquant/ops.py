@@ -2,10 +2,12 @@
 
 Under ``torch.compile``, ``flush`` goes through the custom op ``leapquant::flush``, which declares the pool tensors it
 mutates and has a fake implementation, so the compiled graph holds one opaque op. In eager code (and under CUDA-graph
-capture) it calls the backend directly: the custom op's Python dispatch of a mutating op costs ~100-200 us of host
-time per call on its own (bench/NOTES.md, "Session 9"), more than the flush takes on the GPU when few programs are due.
-Either way the backend runs with the pool's GPU as the current device, since Triton and TileLang launch on the current
-device and its current stream, not on the device of the tensors they are given.
+capture) it calls the backend directly: the custom op's Python dispatch of a mutating op costs 70-160 us of host time
+per call on its own on the H200 machine (bench/results/host_overhead_h200.md), more than the flush takes on the GPU
+when few programs are due.
+Either way the backend runs with the pool's GPU as the current device: Triton launches on the current device (with a
+pool on another GPU it refuses the pointers), and some torch ops of the reference fault there (measured on two H200s:
+parity_tests/gpu_runs/2026-11-30_s9_unguarded_second_gpu.log).
 """
 
 from __future__ import annotations
@@ -81,8 +83,8 @@ def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: b
 
 
 def _launch(b: Backend, pool: Pool, idx: torch.Tensor) -> None:
-    """``b.flush(pool, idx)`` with the pool's GPU current (restored afterwards): a pool on ``cuda:1`` flushed while
-    ``cuda:0`` is current would otherwise be launched on ``cuda:0``."""
+    """``b.flush(pool, idx)`` with the pool's GPU current (restored afterwards), so that its launches go to the pool's
+    device and that device's current stream."""
     if pool.device.type != "cuda":
         b.flush(pool, idx)
         return

@@ -1,9 +1,9 @@
 """A pool on the second GPU, flushed while the first is the current device (two or more CUDA devices only).
 
-Triton and TileLang launch on the *current* device and its current stream, whatever device the tensors they are given
-live on; an engine process that holds pools on several GPUs (or a test harness) need not make each one current before
-it flushes. ``leapquant.flush`` and the custom op make the pool's GPU current around the backend's launches. Each case
-flushes the pool with ``cuda:0`` current, and a twin with ``cuda:1`` current, and compares them bit for bit.
+An engine process that holds pools on several GPUs (or a test harness) need not make each one current before it
+flushes: ``leapquant.flush`` and the custom op make the pool's GPU current around the backend's launches. Without that,
+Triton refuses the launch and the reference backend's torch code faults (bench/experiments/unguarded_second_gpu.py).
+Each case flushes the pool with ``cuda:0`` current, and a twin with ``cuda:1`` current, and compares them bit for bit.
 """
 
 import copy
