@@ -4,8 +4,9 @@ needed: ``python -m leapquant_triton.portability [--arch 80,90] [--quick]``.
 For each (architecture, shape) it runs Triton's own pipeline down to a cubin with ``triton.compile(ASTSource(...),
 target=GPUTarget("cuda", cc, 32))``, then reads the resource use back from ``ptxas -v`` (Triton's bundled ptxas, the
 same flags Triton uses) and compares it with the architecture's limits. It exits non-zero when a claimed target does
-not compile or does not fit (255 registers per thread, the shared memory per block of that architecture, no spills
-beyond :data:`MAX_SPILL_BYTES`); architectures the backend does not claim are compiled and reported but cannot fail.
+not compile, does not fit (255 registers per thread, the shared memory per block of that architecture, no spills
+beyond :data:`MAX_SPILL_BYTES`), or does not take the ``mma.sync`` lowering of ``tl.dot`` that the backend forces
+(:func:`mma_family` of the PTX); architectures the backend does not claim are compiled and reported but cannot fail.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class Report:
     smem: int = -1
     seconds: float = 0.0
     error: str = ""
+    mma: str = ""  # the tensor-core instructions of the PTX (mma_family)
 
     def line(self) -> str:
         if self.error:
@@ -89,7 +91,15 @@ class Report:
         flag = "ok  " if self.ok else "FAIL"
         return (f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<4} {flag}  warps {self.num_warps:2d}  "
                 f"regs {self.regs:3d}/{MAX_REGS}  spill {self.spill_bytes:4d} B  "
-                f"smem {self.smem / 1024:6.1f}/{SMEM_LIMIT[self.arch] >> 10} KiB  ({self.seconds:.1f} s)")
+                f"smem {self.smem / 1024:6.1f}/{SMEM_LIMIT[self.arch] >> 10} KiB  {self.mma:<8}  ({self.seconds:.1f} s)")
+
+
+def mma_family(ptx: str) -> str:
+    """Which tensor-core instructions the PTX uses: ``mma.sync``, ``wgmma`` (Hopper), ``tcgen05`` (Blackwell), several
+    joined by ``+``, or ``none`` (FMA dots)."""
+    found = [name for name, pattern in (("mma.sync", r"\bmma\.sync\."), ("wgmma", r"\bwgmma\.mma_async"),
+                                        ("tcgen05", r"\btcgen05\.mma")) if re.search(pattern, ptx)]
+    return "+".join(found) or "none"
 
 
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
@@ -146,8 +156,12 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
         rep.seconds = time.time() - t0
         return rep
     rep.regs, rep.spill_bytes, rep.smem = regs, spills, ck.metadata.shared + static_smem
+    rep.mma = mma_family(ck.asm["ptx"])
     rep.seconds = time.time() - t0
-    rep.ok = regs <= MAX_REGS and spills <= MAX_SPILL_BYTES and rep.smem <= SMEM_LIMIT[arch]
+    # every claimed build must take the mma.sync lowering (kernel.mma_sync_only): a Triton release that stops
+    # honouring the switch would hand the H200 the wgmma build that miscompiles this kernel
+    rep.ok = (regs <= MAX_REGS and spills <= MAX_SPILL_BYTES and rep.smem <= SMEM_LIMIT[arch]
+              and rep.mma == "mma.sync")
     return rep
 
 

@@ -40,11 +40,27 @@ def test_claimed_architectures_fit():
     assert len(rows) == 2 * len(SCHEDULES) * len(SUPPORTED_CAPABILITIES), res.stdout
     for line in rows:
         kernels = "|".join(SCHEDULES)
-        m = re.search(rf" (?:{kernels}) +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B +smem +([\d.]+)/(\d+) KiB",
-                      line)
+        m = re.search(rf" (?:{kernels}) +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B +smem +([\d.]+)/(\d+) KiB"
+                      r" +(\S+) ", line)
         assert m, line
         regs, spill, smem, limit = int(m[1]), int(m[2]), float(m[3]), int(m[4])
         assert 0 < regs <= 255 and spill <= MAX_SPILL_BYTES and 0 < smem <= limit, line
+        # the mma.sync lowering on every target, Hopper and Blackwell included (kernel.mma_sync_only)
+        assert m[5] == "mma.sync", line
+
+
+@pytest.mark.parametrize("ptx,family", [
+    ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, ...;", "mma.sync"),
+    ("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, 1, 1, 1, 0, 0;", "wgmma"),
+    ("tcgen05.mma.cta_group::1.kind::f16 [%r1], %rd2, %rd3, %r4, 1;", "tcgen05"),
+    ("fma.rn.f32 %f1, %f2, %f3, %f4;", "none"),
+    ("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 ...;\nwgmma.mma_async.sync.aligned.m64n32k16 ...;",
+     "mma.sync+wgmma"),
+])
+def test_mma_family(ptx, family):
+    from leapquant_triton.portability import mma_family
+
+    assert mma_family(ptx) == family
 
 
 def test_unclaimed_target_reported_not_failed():
@@ -61,3 +77,20 @@ def test_unclaimed_target_reported_not_failed():
 def test_unknown_architecture_rejected():
     res = _run("--arch", "42")
     assert res.returncode != 0 and "unknown architectures" in res.stderr
+
+
+def test_check_fails_a_wgmma_build():
+    """The mma check can fail: compiled for sm_90 without ``mma_sync_only``, Triton takes wgmma and the check says
+    so (the build the backend must never launch)."""
+    code = (
+        "import contextlib, leapquant_triton.portability as p\n"
+        "p.mma_sync_only = contextlib.nullcontext\n"
+        "r = p.compile_one(90, p.SHAPES[0], 'grid')\n"
+        "print('RESULT', r.ok, r.mma, r.error)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DISABLE_MMA_V3", "DISABLE_MMA_V5")}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr[-4000:]
+    line = [x for x in res.stdout.splitlines() if x.startswith("RESULT")][0]
+    assert line.split()[1:3] == ["False", "wgmma"], line
