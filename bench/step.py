@@ -31,7 +31,7 @@ def kda_step_kernel(state, idx, q, k, v, g, beta, o, HV: tl.constexpr, K: tl.con
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
     o_nh = i_nh.to(tl.int64)
-    m_v = (o_v < V) & live
+    m_v = tl.where(live, o_v < V, False)  # not `(o_v < V) & live`: Triton 3.9's interpreter rejects that mask
     m_s = m_v[:, None] & (o_k[None, :] < K)
     # int64: slot * HV * V * K passes 2^31 beyond 4096 slots x 32 heads of 128 x 128
     p_s = state + (slot * HV + i_h) * (V * K) + o_v[:, None] * K + o_k[None, :]

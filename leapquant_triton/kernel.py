@@ -370,7 +370,9 @@ def due_list_kernel(idx, hcnt, work, NS, HV, FIRST: tl.constexpr, L: tl.constexp
     i_n = tl.program_id(0)
     i_s = tl.load(idx + i_n).to(tl.int64)
     o_h = tl.arange(0, HB)
-    m_h = (o_h < HV) & (i_s >= FIRST) & (i_s < NS)
+    # the row's slot test as a select: Triton 3.9's interpreter rejects a mask made by `&` of a block and a scalar
+    # comparison ("mask has unsupported dtype"); the sm_90 PTX (Triton 3.6) differs only in the order of its ands
+    m_h = tl.where((i_s >= FIRST) & (i_s < NS), o_h < HV, False)
     b_due = (tl.load(hcnt + i_s * HV + o_h, mask=m_h, other=0) == L).to(tl.int32)
     n_due = tl.sum(b_due, axis=0)
     if n_due > 0:
