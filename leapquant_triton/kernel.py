@@ -559,7 +559,9 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
     schedule = schedule or schedule_for(N, g.heads)
     pointers = dict(codes=pool.codes, skv=pool.s_kv, uq=pool.uq, kbuf=pool.kbuf, ubuf=pool.ubuf, w=pool.w,
                     pcum=pool.pcum, gbuf=gbuf, q0=pool.q0)
-    launch = dict(num_warps=nw, num_stages=1, **({"maxnreg": cap} if cap else {}))
+    # FMA contraction on, as every parity figure was measured: Triton 3.10 turns it off by default (3.9 warns), and
+    # TRITON_DEFAULT_FP_FUSION=0 in the caller's environment would too
+    launch = dict(num_warps=nw, num_stages=1, enable_fp_fusion=True, **({"maxnreg": cap} if cap else {}))
     # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch their own
     # words
     scratch = torch.empty(N * g.heads * scr, dtype=torch.float32, device=idx.device)
@@ -571,7 +573,8 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
             work = torch.empty(1 + N * g.heads, dtype=torch.int32, device=idx.device)
             work[:1].zero_()
             due_list_kernel[(N,)](idx, pool.hcnt, work, g.num_slots, g.heads, FIRST=consts["FIRST"], L=g.ring,
-                                  HB=triton.next_power_of_2(g.heads), PDL=pdl, num_warps=1, launch_pdl=pdl)
+                                  HB=triton.next_power_of_2(g.heads), PDL=pdl, num_warps=1, enable_fp_fusion=True,
+                                  launch_pdl=pdl)
         else:
             raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
         leapquant_flush_kernel[grid](

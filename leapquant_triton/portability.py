@@ -149,7 +149,8 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         with mma_sync_only():  # the build the backend launches (see flush_pool)
             ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                options={"num_warps": nw, "num_stages": 1, **({"maxnreg": maxnreg} if maxnreg else {})})
+                                options={"num_warps": nw, "num_stages": 1, "enable_fp_fusion": True,
+                                         **({"maxnreg": maxnreg} if maxnreg else {})})
         regs, spills, static_smem = _ptxas_usage(ck.asm["ptx"], arch)
     except Exception as e:  # a compile failure is a result of this check, reported per target
         rep.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
