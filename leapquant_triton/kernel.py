@@ -499,8 +499,9 @@ def mma_sync_only():
     memory accesses on GDN pools; with ``mma.sync`` it is deterministic, graph replay equals eager, and every regime
     passes SPEC §4, about 10 % slower (session 2, on the kernel of that time). Triton has open reports of the same kind
     for kernels with several ``tl.dot`` on sm_90 (triton-lang/triton #10486, #11366). Triton reads the switch from the
-    environment while it compiles and keys its caches on it, so it is set around each launch (a compile happens inside
-    the first one) and restored.
+    environment while it compiles and keys its on-disk cache on it; its in-process cache does not see it, so any launch
+    that compiles (the first of each specialisation) must have it: it is set around every launch and restored. The AOT
+    check fails a claimed build whose PTX is not ``mma.sync`` (:func:`leapquant_triton.portability.mma_family`).
     """
     with _mma_lock:
         old = {k: os.environ.get(k) for k in _MMA_ENV}
