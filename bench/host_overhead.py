@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 import leapquant
+from leapquant.ops import op_args
 
 from .timing import device_info, device_slug, module_version, nvidia_smi
 
@@ -45,15 +46,21 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _idle_pool(device: torch.device, rows: int) -> tuple:
+    """A KDA pool of 32 heads and ``idx`` of ``rows`` rows, nothing due: the GPU's part is the launches and the due
+    test."""
+    pool = leapquant.Pool(2 * rows + 1, 32, gate="kda", device=device)
+    pool.hcnt.fill_(pool.ring - 1)
+    return pool, torch.arange(1, rows + 1, dtype=torch.int32, device=device)
+
+
 def _calls(pool, idx, backend: str) -> dict:
-    g = pool.geometry
-    op_args = (pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt, pool.q0, idx, g.num_slots,
-               g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters, backend)
+    args = op_args(pool, idx, backend)
     b = leapquant.get_backend(backend)
     return {
         "flush": lambda: leapquant.flush(pool, idx, backend=backend, check=False),
         "flush+check": lambda: leapquant.flush(pool, idx, backend=backend, check=True),
-        "op": lambda: torch.ops.leapquant.flush(*op_args),
+        "op": lambda: torch.ops.leapquant.flush(*args),
         "backend": lambda: b.flush(pool, idx),
     }
 
@@ -82,9 +89,7 @@ def measure(fn, device: torch.device, calls: int, rounds: int, warmup: int) -> d
 
 
 def run(device: torch.device, backends: list[str], rows: int, calls: int, rounds: int, warmup: int) -> dict:
-    pool = leapquant.Pool(2 * rows + 1, 32, gate="kda", device=device)
-    idx = torch.arange(1, rows + 1, dtype=torch.int32, device=device)
-    pool.hcnt.fill_(pool.ring - 1)  # nothing due: the GPU's part is the launches and the due test
+    pool, idx = _idle_pool(device, rows)
     results = {}
     for name in backends:
         ok, why = leapquant.get_backend(name).supports(pool) if name in _known() else (False, "unknown backend")
@@ -164,9 +169,7 @@ def profile(device: torch.device, backend: str, rows: int, calls: int) -> None:
     import cProfile
     import pstats
 
-    pool = leapquant.Pool(2 * rows + 1, 32, gate="kda", device=device)
-    idx = torch.arange(1, rows + 1, dtype=torch.int32, device=device)
-    pool.hcnt.fill_(pool.ring - 1)
+    pool, idx = _idle_pool(device, rows)
     fn = _calls(pool, idx, backend)["backend"]
     measure(fn, device, calls, 1, 30)
     prof = cProfile.Profile()

@@ -76,11 +76,15 @@ def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: b
         _launch(select(pool, backend), pool, idx)
         return
     # the op resolves the name when it runs (the choice reads entry points and device properties: not traceable)
+    torch.ops.leapquant.flush(*op_args(pool, idx, backend))
+
+
+def op_args(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto") -> tuple:
+    """The arguments of ``torch.ops.leapquant.flush`` for ``flush(pool, idx, backend)``: the pool's tensors, ``idx``,
+    its geometry and the backend's name."""
     g = pool.geometry
-    torch.ops.leapquant.flush(
-        pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt, pool.q0, idx,
-        g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters, backend,
-    )
+    return (pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt, pool.q0, idx,
+            g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters, backend)
 
 
 def _launch(b: Backend, pool: Pool, idx: torch.Tensor) -> None:

@@ -91,7 +91,8 @@ class Report:
         flag = "ok  " if self.ok else "FAIL"
         return (f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<4} {flag}  warps {self.num_warps:2d}  "
                 f"regs {self.regs:3d}/{MAX_REGS}  spill {self.spill_bytes:4d} B  "
-                f"smem {self.smem / 1024:6.1f}/{SMEM_LIMIT[self.arch] >> 10} KiB  {self.mma:<8}  ({self.seconds:.1f} s)")
+                f"smem {self.smem / 1024:6.1f}/{SMEM_LIMIT[self.arch] >> 10} KiB  {self.mma:<8}  "
+                f"({self.seconds:.1f} s)")
 
 
 def mma_family(ptx: str) -> str:

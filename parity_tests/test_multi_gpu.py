@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import leapquant
+from leapquant.ops import op_args
 from leapquant.workloads import fill
 
 from .conftest import backends_here
@@ -23,13 +24,6 @@ BACKENDS = backends_here("cuda")
 
 def _state(pool):
     return [pool.raw, pool.w, pool.pcum, pool.hcnt] + ([pool.gbuf] if pool.gbuf is not None else [])
-
-
-def _op(pool, idx, backend):
-    g = pool.geometry
-    torch.ops.leapquant.flush(pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt, pool.q0, idx,
-                              g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention,
-                              pool.iters, backend)
 
 
 @pytest.mark.parametrize("path", ["flush", "flush-check", "op"])
@@ -50,7 +44,7 @@ def test_pool_on_a_gpu_that_is_not_current(backend, gate, path):
 
     with torch.cuda.device(0):
         if path == "op":
-            _op(pool, idx, backend)
+            torch.ops.leapquant.flush(*op_args(pool, idx, backend))
         else:
             leapquant.flush(pool, idx, backend=backend, check=path == "flush-check")
         assert torch.cuda.current_device() == 0, "the flush left another device current"
