@@ -56,6 +56,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from leapquant import constants
 
 from .backend import _interpreting
+from .launcher import Launcher
 
 # the SPEC's constants as compile-time values (a @triton.jit function can read only constexpr globals)
 QMAX = tl.constexpr(constants.QMAX)
@@ -500,7 +501,9 @@ def mma_sync_only():
     passes SPEC §4, about 10 % slower (session 2, on the kernel of that time). Triton has open reports of the same kind
     for kernels with several ``tl.dot`` on sm_90 (triton-lang/triton #10486, #11366). Triton reads the switch from the
     environment while it compiles and keys its on-disk cache on it; its in-process cache does not see it, so any launch
-    that compiles (the first of each specialisation) must have it: it is set around every launch and restored. The AOT
+    that compiles (the first of each specialisation) must have it: it is set, and restored, around every launch that
+    goes through ``JITFunction.run`` (the first of each :class:`~leapquant_triton.launcher.Launcher` key; the launches
+    after it call the kept kernel, which cannot compile). The AOT
     check fails a claimed build whose PTX is not ``mma.sync`` (:func:`leapquant_triton.portability.mma_family`).
     """
     with _mma_lock:
@@ -521,6 +524,11 @@ def _pdl(device: torch.device) -> bool:
     later, not under the interpreter): a kernel's programs then start while the one before it finishes, and wait for
     it (``griddepcontrol.wait``) before reading what it wrote. The capability is a host-side property: no sync."""
     return not _interpreting() and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+# every launch of the two kernels: compiled inside mma_sync_only, launched directly once compiled (launcher.py)
+_launch_due_list = Launcher(due_list_kernel, mma_sync_only)
+_launch_flush = Launcher(leapquant_flush_kernel, mma_sync_only)
 
 
 # the two schedules of flush_pool (also the two builds the AOT check compiles: portability.check)
@@ -566,19 +574,18 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
     # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch their own
     # words
     scratch = torch.empty(N * g.heads * scr, dtype=torch.float32, device=idx.device)
-    with mma_sync_only():
-        if schedule == "grid":
-            grid, work, pdl = (N, g.heads), idx, False  # (work is not read)
-        elif schedule == "list":
-            grid, pdl = (N * g.heads,), _pdl(idx.device)
-            work = torch.empty(1 + N * g.heads, dtype=torch.int32, device=idx.device)
-            work[:1].zero_()
-            due_list_kernel[(N,)](idx, pool.hcnt, work, g.num_slots, g.heads, FIRST=consts["FIRST"], L=g.ring,
-                                  HB=triton.next_power_of_2(g.heads), PDL=pdl, num_warps=1, enable_fp_fusion=True,
-                                  launch_pdl=pdl)
-        else:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
-        leapquant_flush_kernel[grid](
-            idx=idx, hcnt=pool.hcnt, work=work, **pointers, scratch=scratch, scratch16=scratch.view(torch.float16),
-            NS=g.num_slots, HV=g.heads, SS=g.slot_stride, **consts, LIST=schedule == "list", PDL=pdl, **launch,
-            launch_pdl=pdl)
+    if schedule == "grid":
+        grid, work, pdl = (N, g.heads), idx, False  # (work is not read)
+    elif schedule == "list":
+        grid, pdl = (N * g.heads,), _pdl(idx.device)
+        work = torch.empty(1 + N * g.heads, dtype=torch.int32, device=idx.device)
+        work[:1].zero_()
+        _launch_due_list((N,), dict(idx=idx, hcnt=pool.hcnt, work=work, NS=g.num_slots, HV=g.heads,
+                                    FIRST=consts["FIRST"], L=g.ring, HB=triton.next_power_of_2(g.heads), PDL=pdl),
+                         dict(num_warps=1, enable_fp_fusion=True, launch_pdl=pdl))
+    else:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
+    _launch_flush(grid, dict(idx=idx, hcnt=pool.hcnt, work=work, **pointers, scratch=scratch,
+                             scratch16=scratch.view(torch.float16), NS=g.num_slots, HV=g.heads, SS=g.slot_stride,
+                             **consts, LIST=schedule == "list", PDL=pdl),
+                  dict(launch, launch_pdl=pdl))

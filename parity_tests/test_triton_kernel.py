@@ -304,3 +304,33 @@ def test_mma_sync_switch_is_scoped(monkeypatch):
         with mma_sync_only():
             raise RuntimeError("launch failed")
     assert "DISABLE_MMA_V3" not in os.environ and os.environ["DISABLE_MMA_V5"] == "0"
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="direct launches exist on the GPU only (the interpreter always binds)")
+@pytest.mark.parametrize("schedule", ["grid", "list"])
+def test_direct_launches_write_what_bound_launches_write(schedule, monkeypatch):
+    """Launches of the kept compiled kernel (launcher.py) leave the same bytes as launches through Triton's
+    argument binding, for an idx at a 16-byte boundary and one 4 bytes past it (which Triton specialises apart)."""
+    from leapquant_triton import kernel
+
+    pool, g = _pool(heads=3, head_k=128, head_v=128, ring=16, rank=4, gate="kda", seed=77)
+    for s, h in [(1, 0), (1, 2), (2, 1), (3, 0), (4, 1), (4, 2)]:
+        _fill_program(pool, s, h, g)
+    buf = torch.tensor([0, 4, 0, 1, 3, 2], dtype=torch.int32, device=DEVICE)
+    for idx in (buf[:5], buf[1:]):
+        out = []
+        for direct in (False, True, True):  # bound; first through the launcher (binds, keeps); then direct
+            monkeypatch.setattr(kernel._launch_flush, "direct", direct)
+            monkeypatch.setattr(kernel._launch_due_list, "direct", direct)
+            p = leapquant.Pool(pool.num_slots, 3, 128, 128, 16, 4, gate="kda", device=DEVICE)
+            for name, t in _snapshot(pool).items():
+                getattr(p, name).copy_(t)
+            flush_pool(p, idx, schedule=schedule)
+            out.append(_snapshot(p))
+        for name in out[0]:
+            for o in out[1:]:
+                assert torch.equal(_bytes(out[0][name].cpu()), _bytes(o[name].cpu())), (idx.data_ptr() % 16, name)
+        assert not torch.equal(_bytes(out[0]["raw"].cpu()), _bytes(pool.raw.cpu()))  # the flush did something
+    keys = [k for k in kernel._launch_flush.kernels if k[0] == torch.cuda.current_device()]
+    idx_aligned = {k[1 + kernel._launch_flush.names.index("idx")][1] for k in keys}
+    assert idx_aligned == {True, False}
