@@ -503,8 +503,8 @@ def mma_sync_only():
     environment while it compiles and keys its on-disk cache on it; its in-process cache does not see it, so any launch
     that compiles (the first of each specialisation) must have it: it is set, and restored, around every launch that
     goes through ``JITFunction.run`` (the first of each :class:`~leapquant_triton.launcher.Launcher` key; the launches
-    after it call the kept kernel, which cannot compile). The AOT
-    check fails a claimed build whose PTX is not ``mma.sync`` (:func:`leapquant_triton.portability.mma_family`).
+    after it call the kept kernel, which cannot compile). The AOT check fails a claimed build whose PTX is not
+    ``mma.sync`` (:func:`leapquant_triton.portability.mma_family`).
     """
     with _mma_lock:
         old = {k: os.environ.get(k) for k in _MMA_ENV}
