@@ -461,6 +461,16 @@ def maxnreg_for(num_warps: int) -> int | None:
     return 128 if num_warps == 8 else None
 
 
+# FMA contraction on, as every parity figure was measured: Triton 3.10 turns it off by default (3.9 warns), and
+# TRITON_DEFAULT_FP_FUSION=0 in the caller's environment would too
+FP_FUSION = dict(enable_fp_fusion=True)
+
+
+def compile_options(num_warps: int, maxnreg: int | None) -> dict:
+    """The options of the flush kernel's build: what :func:`flush_pool` launches and the AOT check compiles."""
+    return dict(num_warps=num_warps, num_stages=1, **FP_FUSION, **({"maxnreg": maxnreg} if maxnreg else {}))
+
+
 def scratch_words(head_k: int, head_v: int, iters: int) -> int:
     """fp32 words of scratch per program: Y / Q [V, 4] (then 1 / s_k), 2 ITERS Gram matrices (4 x 4), c (padded to
     4 words), fp16(Q) [V, 4] and [K] for the KDA decay exp(pcum) (then the column sums of |E|)."""
@@ -568,9 +578,7 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
     schedule = schedule or schedule_for(N, g.heads)
     pointers = dict(codes=pool.codes, skv=pool.s_kv, uq=pool.uq, kbuf=pool.kbuf, ubuf=pool.ubuf, w=pool.w,
                     pcum=pool.pcum, gbuf=gbuf, q0=pool.q0)
-    # FMA contraction on, as every parity figure was measured: Triton 3.10 turns it off by default (3.9 warns), and
-    # TRITON_DEFAULT_FP_FUSION=0 in the caller's environment would too
-    launch = dict(num_warps=nw, num_stages=1, enable_fp_fusion=True, **({"maxnreg": cap} if cap else {}))
+    launch = compile_options(nw, cap)
     # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch their own
     # words
     scratch = torch.empty(N * g.heads * scr, dtype=torch.float32, device=idx.device)
@@ -582,7 +590,7 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
         work[:1].zero_()
         _launch_due_list((N,), dict(idx=idx, hcnt=pool.hcnt, work=work, NS=g.num_slots, HV=g.heads,
                                     FIRST=consts["FIRST"], L=g.ring, HB=triton.next_power_of_2(g.heads), PDL=pdl),
-                         dict(num_warps=1, enable_fp_fusion=True, launch_pdl=pdl))
+                         dict(num_warps=1, **FP_FUSION, launch_pdl=pdl))
     else:
         raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
     _launch_flush(grid, dict(idx=idx, hcnt=pool.hcnt, work=work, **pointers, scratch=scratch,

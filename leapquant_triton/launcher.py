@@ -58,7 +58,10 @@ class Launcher:
     def key(self, args: dict, options: dict) -> tuple:
         parts = [self.current_device()]
         for name in self.names:
-            v = args[name]
+            try:
+                v = args[name]
+            except KeyError:
+                raise TypeError(f"{self.name} takes {self.names}, got {tuple(args)}") from None
             if isinstance(v, torch.Tensor):
                 parts.append((v.dtype, v.data_ptr() % 16 == 0))
             elif isinstance(v, (bool, int, float, str, type(None))):
@@ -70,19 +73,23 @@ class Launcher:
         return tuple(parts)
 
     def __call__(self, grid: tuple, args: dict, options: dict) -> None:
-        if set(args) != set(self.names):
-            raise TypeError(f"{self.name} takes {self.names}, got {tuple(args)}")
         if not self.direct:
-            with self.compile_context():
-                self.fn[grid](**args, **options)
+            self._bound(grid, args, options)
             return
         key = self.key(args, options)
         kernel = self.kernels.get(key)
         if kernel is None:
-            with self.compile_context():
-                kernel = self.fn[grid](**args, **options)
+            kernel = self._bound(grid, args, options)
             # a kernel compiled in the background would come back as a future: launched, not kept
             if hasattr(kernel, "function") and hasattr(kernel, "__getitem__"):
                 self.kernels[key] = kernel
             return
         kernel[tuple(grid) + (1,) * (3 - len(grid))](*[args[n] for n in self.names])
+
+    def _bound(self, grid: tuple, args: dict, options: dict):
+        """``fn[grid](**args, **options)`` inside the compile context. The argument names are checked here, off the
+        direct path: a key is only kept after its names passed, and :meth:`key` refuses a missing one."""
+        if set(args) != set(self.names):
+            raise TypeError(f"{self.name} takes {self.names}, got {tuple(args)}")
+        with self.compile_context():
+            return self.fn[grid](**args, **options)

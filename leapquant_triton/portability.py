@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from leapquant.pool import Geometry
 
 from .backend import SUPPORTED_CAPABILITIES
-from .kernel import (SCHEDULES, kernel_constants, leapquant_flush_kernel, maxnreg_for, mma_sync_only,
-                     num_warps_for)
+from .kernel import (SCHEDULES, compile_options, kernel_constants, leapquant_flush_kernel, maxnreg_for,
+                     mma_sync_only, num_warps_for)
 
 # shared memory per block (opt-in maximum), bytes, from the CUDA programming guide's table of compute capabilities
 SMEM_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
@@ -149,9 +149,7 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
     try:
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         with mma_sync_only():  # the build the backend launches (see flush_pool)
-            ck = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                                options={"num_warps": nw, "num_stages": 1, "enable_fp_fusion": True,
-                                         **({"maxnreg": maxnreg} if maxnreg else {})})
+            ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=compile_options(nw, maxnreg))
         regs, spills, static_smem = _ptxas_usage(ck.asm["ptx"], arch)
     except Exception as e:  # a compile failure is a result of this check, reported per target
         rep.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
