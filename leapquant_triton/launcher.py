@@ -14,6 +14,12 @@ each tensor's dtype and whether its address is a multiple of 16, every other arg
 the Triton settings that enter compilation at launch time (``knobs.runtime.debug``, the instrumentation mode). No
 compile can happen on the direct path, so the switch that ``compile_context`` sets is not needed there.
 
+A direct launch passes each tensor as its address (an int), which Triton's launcher takes as it is. Given a tensor,
+that launcher calls its ``data_ptr`` from C and asks the driver whether the address can be reached from the current
+device (``cuPointerGetAttribute``), per pointer and per launch. The launcher here checks the same thing without the
+driver: every tensor must be on the current device (``Tensor.get_device``), else a ValueError names it; a launch on
+another GPU's memory would fault in the kernel instead of being refused.
+
 Under ``TRITON_INTERPRET=1`` every call goes through ``fn[grid]``.
 """
 
@@ -56,27 +62,40 @@ class Launcher:
         self.kernels: dict = {}
 
     def key(self, args: dict, options: dict) -> tuple:
-        parts = [self.current_device()]
+        """The launch's key (what Triton specialises on; see the module's docstring)."""
+        return self._prepare(args, options)[0]
+
+    def _prepare(self, args: dict, options: dict) -> tuple[tuple, list]:
+        """(the key, the arguments in signature order with each tensor as its address)."""
+        device = self.current_device()
+        parts = [device]
+        values = []
         for name in self.names:
             try:
                 v = args[name]
             except KeyError:
                 raise TypeError(f"{self.name} takes {self.names}, got {tuple(args)}") from None
             if isinstance(v, torch.Tensor):
-                parts.append((v.dtype, v.data_ptr() % 16 == 0))
+                ptr = v.data_ptr()
+                parts.append((v.dtype, ptr % 16 == 0))
+                values.append(ptr)
+                if v.get_device() != device:
+                    raise ValueError(f"{self.name}: argument {name} is on {v.device}, but the current device is "
+                                     f"{device}; make the tensors' device current (leapquant.flush does)")
             elif isinstance(v, (bool, int, float, str, type(None))):
                 parts.append(v)
+                values.append(v)
             else:
                 raise TypeError(f"{self.name}: argument {name} of type {type(v).__name__} has no launch key")
         parts.append(tuple(sorted(options.items())))
         parts.append(_knob_state())
-        return tuple(parts)
+        return tuple(parts), values
 
     def __call__(self, grid: tuple, args: dict, options: dict) -> None:
         if not self.direct:
             self._bound(grid, args, options)
             return
-        key = self.key(args, options)
+        key, values = self._prepare(args, options)
         kernel = self.kernels.get(key)
         if kernel is None:
             kernel = self._bound(grid, args, options)
@@ -84,7 +103,7 @@ class Launcher:
             if hasattr(kernel, "function") and hasattr(kernel, "__getitem__"):
                 self.kernels[key] = kernel
             return
-        kernel[tuple(grid) + (1,) * (3 - len(grid))](*[args[n] for n in self.names])
+        kernel[tuple(grid) + (1,) * (3 - len(grid))](*values)
 
     def _bound(self, grid: tuple, args: dict, options: dict):
         """``fn[grid](**args, **options)`` inside the compile context. The argument names are checked here, off the

@@ -55,7 +55,8 @@ class _JitFn:
             self.context = False
 
 
-def _launcher(fn, device=lambda: 0, **kw):
+def _launcher(fn, device=lambda: -1, **kw):
+    """A launcher of the stand-in whose current device is the CPU tensors' (``Tensor.get_device()`` is -1 there)."""
     return Launcher(fn, fn.compile_context, direct=True, current_device=device, **kw)
 
 
@@ -76,18 +77,18 @@ def test_second_launch_is_direct_with_arguments_in_signature_order():
     assert fn.inside == [True]
     assert fn.log[0][2] == dict(_args(x, y), **OPTS)
     grid, args = fn.log[1][1], fn.log[1][2]
-    assert grid == (7, 1, 1) and args[0] is x and args[1] is y and args[2:] == (128, True)
+    # tensors go as their addresses (Triton's launcher takes an int as the pointer, with no driver query)
+    assert grid == (7, 1, 1) and args == (x.data_ptr(), y.data_ptr(), 128, True)
 
 
-@pytest.mark.parametrize("change", ["misaligned", "dtype", "int", "constexpr", "option", "device", "knob"])
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "int", "constexpr", "option", "knob"])
 def test_a_launch_triton_may_specialise_differently_compiles_again(change, monkeypatch):
     """Every input of Triton's specialisation key is part of the launcher's: a launch that differs in one goes
     through fn[grid] again (so Triton picks or compiles the right binary), and is then kept under its own key."""
     import triton
 
     fn = _JitFn()
-    dev = [0]
-    la = _launcher(fn, device=lambda: dev[0])
+    la = _launcher(fn)
     buf = torch.zeros(65)
     x, y = buf[:64], torch.zeros(64, dtype=torch.int32)
     la((1,), _args(x, y), OPTS)
@@ -104,14 +105,41 @@ def test_a_launch_triton_may_specialise_differently_compiles_again(change, monke
         a["B"] = False
     elif change == "option":
         o["num_warps"] = 4
-    elif change == "device":
-        dev[0] = 1
     else:
         monkeypatch.setattr(triton.knobs.runtime, "debug", not triton.knobs.runtime.debug)
     la((1,), a, o)
     la((1,), a, o)
     assert [e[0] for e in fn.log] == ["bound", "direct", "bound", "direct"]
     assert len(la.kernels) == 2
+
+
+def test_the_current_device_is_part_of_the_key():
+    """Triton's kernels and their handles are per device: the same arguments under another current device are
+    another key (tensors on the CPU report device -1, the stand-in's device here)."""
+    dev = [-1]
+    la = _launcher(_JitFn(), device=lambda: dev[0])
+    x, y = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
+    a = la.key(_args(x, y), OPTS)
+    assert a[0] == -1 and a[1:] == la.key(_args(x, y), OPTS)[1:]
+    dev[0] = 0
+    with pytest.raises(ValueError, match="argument x is on cpu, but the current device is 0"):
+        la.key(_args(x, y), OPTS)
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_tensor_off_the_current_device_is_refused_before_any_launch(kept):
+    """A direct launch passes addresses, which Triton's launcher does not check: the launcher refuses a tensor that is
+    not on the current device (a kernel would fault on it), whether or not a kernel is kept for the key."""
+    fn = _JitFn()
+    dev = [-1]
+    la = _launcher(fn, device=lambda: dev[0])
+    x, y = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
+    if kept:
+        la((1,), _args(x, y), OPTS)
+    dev[0] = 0
+    with pytest.raises(ValueError, match="argument x is on cpu"):
+        la((1,), _args(x, y), OPTS)
+    assert len(fn.log) == int(kept)
 
 
 def test_not_direct_always_binds():

@@ -55,3 +55,32 @@ def test_pool_on_a_gpu_that_is_not_current(backend, gate, path):
             assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (backend, gate, path)
         rows = idx.long()[:, None].expand_as(due)[due], torch.arange(32, device=dev).expand_as(due)[due]
         assert bool((pool.w[rows] == 0).all()), "the due programs were not flushed"
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="the Triton backend is not available here")
+def test_triton_backend_refuses_a_pool_off_the_current_gpu():
+    """The Triton backend's own ``flush`` (what ``leapquant.flush`` calls after making the pool's GPU current), given a
+    pool on ``cuda:1`` while ``cuda:0`` is current, raises a ValueError and writes nothing, also where a kernel is kept
+    for the launch's key on ``cuda:0``: direct launches pass addresses, which Triton's launcher does not check, so
+    leapquant_triton/launcher.py checks the tensors' device itself. The GPUs stay usable: no kernel ran on another
+    device's memory."""
+    dev = torch.device("cuda", 1)
+    b = leapquant.get_backend("triton")
+    with torch.cuda.device(dev):
+        pool = leapquant.Pool(12, 32, gate="kda", device=dev)
+        gen = torch.Generator().manual_seed(34)
+        fill(pool, torch.arange(1, 12), "gaussian", gen, due=torch.rand(11, 32, generator=gen) < 0.5)
+        idx = torch.tensor([3, 0, 7, 1, 9, 0, 11, 5], dtype=torch.int32, device=dev)
+        assert bool(pool.due(idx).any())
+        before = [t.clone() for t in _state(pool)]
+    with torch.cuda.device(0):
+        leapquant.flush(leapquant.Pool(12, 32, gate="kda", device="cuda:0"),
+                        torch.tensor([3, 0, 7, 1, 9, 0, 11, 5], dtype=torch.int32, device="cuda:0"),
+                        backend="triton")  # a kernel kept for this key on cuda:0: the next launches are direct
+        with pytest.raises(ValueError, match="is on cuda:1, but the current device is 0"):
+            b.flush(pool, idx)
+        torch.cuda.synchronize(0)
+    with torch.cuda.device(dev):
+        torch.cuda.synchronize(dev)
+        for a, c in zip(_state(pool), before):
+            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
