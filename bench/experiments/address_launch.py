@@ -7,14 +7,18 @@ tensors passed as their addresses (leapquant_triton/launcher.py since session 11
 Given a tensor, Triton's launcher calls its ``data_ptr`` from C and asks the driver (``cuPointerGetAttribute``) whether
 each pointer can be reached from the current device, on every launch; given an int it takes it as the address. KDA,
 32 heads, nothing due: 8 rows (the grid schedule, one launch) and 64 rows (the list schedule: a zeroing, the due list
-and the flush), alternating old and new twice; per path ``bench.host_overhead.measure`` of
+and the flush), alternating old and new three times; per path ``bench.host_overhead.measure`` of
 ``leapquant.flush(pool, idx, backend="triton", check=False)`` and of the backend's own ``flush``. Then, per case, the
-bytes a flush of due programs leaves, old against new.
+bytes a flush of due programs leaves, old against new. Last, the launch alone: the kept flush kernel of the 8-row case
+called as ``kernel[grid](*args)`` with tensors and with their addresses, alternating (the host's speed moved the
+end-to-end figures by up to 2x between calls in session 11).
 """
 
 import copy
 import importlib.util
+import statistics
 import sys
+import time
 
 import torch
 
@@ -49,7 +53,7 @@ def main(path: str) -> None:
     for rows in (8, 64):
         pool, idx = _idle_pool(dev, rows)
         print(f"rows {rows} ({kernel.schedule_for(rows, 32)} schedule), nothing due:")
-        for name in ("tensors ", "address", "tensors ", "address"):
+        for name in ("tensors ", "address") * 3:
             use(name)
             f = measure(lambda: leapquant.flush(pool, idx, backend="triton", check=False), dev, 200, 7, 30)
             k = measure(lambda: b.flush(pool, idx), dev, 200, 7, 30)
@@ -72,6 +76,40 @@ def main(path: str) -> None:
               f"the flush {'changed' if changed else 'DID NOT CHANGE'} the pool")
     print(f"kept kernels (address): flush {len(launchers['address'][1].kernels)}, "
           f"due list {len(launchers['address'][0].kernels)}")
+    launch_alone(dev, launchers["address"][1])
+
+
+def launch_alone(dev, la, calls: int = 2000, rounds: int = 9) -> None:
+    """The kept grid-schedule flush kernel of an 8-row pool, launched with tensors and with addresses."""
+    pool, idx = _idle_pool(dev, 8)
+    kernel.flush_pool(pool, idx, schedule="grid")
+    captured = []
+    run = la.kernels[next(k for k in la.kernels if k[1 + la.names.index("LIST")] is False)]
+    orig = la.__class__.__call__
+
+    def grab(self, grid, args, options):  # the argument list flush_pool builds
+        captured.append((grid, dict(args)))
+    la.__class__.__call__ = grab
+    try:
+        kernel.flush_pool(pool, idx, schedule="grid")
+    finally:
+        la.__class__.__call__ = orig
+    grid, args = captured[0]
+    tensors = [args[n] for n in la.names]
+    addresses = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in tensors]
+    launch = run[tuple(grid) + (1,) * (3 - len(grid))]
+    times = {"tensors ": [], "address": []}
+    for _ in range(rounds):
+        for name, values in (("tensors ", tensors), ("address", addresses)):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                launch(*values)
+            times[name].append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    for name, t in times.items():
+        print(f"launch alone, {name}: median {statistics.median(t):.2f} us, min {min(t):.2f} us "
+              f"({rounds} rounds of {calls}, alternating)")
 
 
 if __name__ == "__main__":
