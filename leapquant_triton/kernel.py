@@ -51,6 +51,7 @@ import threading
 import torch
 import triton
 import triton.language as tl
+from torch.utils.weak import WeakIdKeyDictionary
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from leapquant import constants
@@ -556,6 +557,65 @@ def schedule_for(rows: int, heads: int) -> str:
     return "list" if rows * heads >= 2048 else "grid"
 
 
+class _Plan:
+    """What :func:`flush_pool` launches for one pool, ``N`` and build, but ``idx`` and the per-call buffers: the
+    kernels' static arguments prepared once (:meth:`~leapquant_triton.launcher.Launcher.prepare`), so that an eager
+    flush looks at four arguments on the host rather than at all 31 (bench/NOTES.md, session 11). The pool's tensors
+    enter the kernels as their addresses and dtypes only (the shapes are the geometry's constants): a plan serves
+    any pool over the same memory (:func:`_memory`), as the custom op's pool, made afresh per call over the caller's
+    tensors. It holds the tensors it was made with, so their memory cannot be freed and handed to another pool."""
+
+    def __init__(self, pool, tensors: tuple, memory: list, N: int, schedule: str, nw: int, cap: int | None,
+                 device: torch.device):
+        g = pool.geometry
+        self.memory = memory
+        consts = kernel_constants(g, pool.convention, pool.iters)
+        self.scratch_words = N * g.heads * consts["SCR"]
+        pdl = schedule == "list" and _pdl(device)
+        self.grid = (N * g.heads,) if schedule == "list" else (N, g.heads)
+        self.work_words = 1 + N * g.heads if schedule == "list" else 0
+        codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, hcnt = tensors
+        self.flush = _launch_flush.prepare(
+            dict(hcnt=hcnt, codes=codes, skv=skv, uq=uq, kbuf=kbuf, ubuf=ubuf, w=w, pcum=pcum,
+                 gbuf=gbuf if gbuf is not None else w,  # GDN never reads it
+                 q0=q0, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, **consts, LIST=schedule == "list", PDL=pdl),
+            dict(compile_options(nw, cap), launch_pdl=pdl))
+        self.due_list = None
+        if schedule == "list":
+            self.due_list = _launch_due_list.prepare(
+                dict(hcnt=hcnt, NS=g.num_slots, HV=g.heads, FIRST=consts["FIRST"], L=g.ring,
+                     HB=triton.next_power_of_2(g.heads), PDL=pdl),
+                dict(num_warps=1, **FP_FUSION, launch_pdl=pdl))
+
+
+def _pool_tensors(pool) -> tuple:
+    """The pool's tensors the kernels take (``gbuf`` None for GDN)."""
+    return (pool.codes, pool.s_kv, pool.uq, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.q0, pool.hcnt)
+
+
+def _memory(tensors: tuple) -> list:
+    """What the kernels see of the pool's tensors: (address, dtype) each."""
+    return [None if t is None else (t.data_ptr(), t.dtype) for t in tensors]
+
+
+# per pool memory (keyed weakly by the pool's raw tensor: the plans go with it):
+# {(geometry, convention, iters, N, schedule, warps, cap, device): _Plan}
+_PLANS = WeakIdKeyDictionary()
+
+
+def _plan(pool, N: int, schedule: str, nw: int, cap: int | None, device: torch.device) -> _Plan:
+    plans = _PLANS.get(pool.raw)
+    if plans is None:
+        plans = _PLANS[pool.raw] = {}
+    key = (pool.geometry, pool.convention, pool.iters, N, schedule, nw, cap, device)
+    tensors = _pool_tensors(pool)
+    memory = _memory(tensors)
+    plan = plans.get(key)
+    if plan is None or plan.memory != memory:
+        plan = plans[key] = _Plan(pool, tensors, memory, N, schedule, nw, cap, device)
+    return plan
+
+
 def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: int | None = None,
                schedule: str | None = None) -> None:
     """Launch the flush over ``idx`` (int32 ``[N]``) on ``pool`` in place, with no host synchronisation and the same
@@ -570,30 +630,19 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
     N = idx.numel()
     if N == 0:
         return
-    gbuf = pool.gbuf if pool.gbuf is not None else pool.w  # GDN never reads it
+    schedule = schedule or schedule_for(N, g.heads)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
     nw = num_warps or num_warps_for(g.head_k, g.head_v)
     cap = maxnreg if maxnreg is not None else maxnreg_for(nw)
-    consts = kernel_constants(g, pool.convention, pool.iters)
-    scr = consts["SCR"]
-    schedule = schedule or schedule_for(N, g.heads)
-    pointers = dict(codes=pool.codes, skv=pool.s_kv, uq=pool.uq, kbuf=pool.kbuf, ubuf=pool.ubuf, w=pool.w,
-                    pcum=pool.pcum, gbuf=gbuf, q0=pool.q0)
-    launch = compile_options(nw, cap)
+    plan = _plan(pool, N, schedule, nw, cap, idx.device)
     # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch their own
     # words
-    scratch = torch.empty(N * g.heads * scr, dtype=torch.float32, device=idx.device)
-    if schedule == "grid":
-        grid, work, pdl = (N, g.heads), idx, False  # (work is not read)
-    elif schedule == "list":
-        grid, pdl = (N * g.heads,), _pdl(idx.device)
-        work = torch.empty(1 + N * g.heads, dtype=torch.int32, device=idx.device)
-        work[:1].zero_()
-        _launch_due_list((N,), dict(idx=idx, hcnt=pool.hcnt, work=work, NS=g.num_slots, HV=g.heads,
-                                    FIRST=consts["FIRST"], L=g.ring, HB=triton.next_power_of_2(g.heads), PDL=pdl),
-                         dict(num_warps=1, **FP_FUSION, launch_pdl=pdl))
+    scratch = torch.empty(plan.scratch_words, dtype=torch.float32, device=idx.device)
+    if plan.due_list is None:
+        work = idx  # (not read by the grid schedule)
     else:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
-    _launch_flush(grid, dict(idx=idx, hcnt=pool.hcnt, work=work, **pointers, scratch=scratch,
-                             scratch16=scratch.view(torch.float16), NS=g.num_slots, HV=g.heads, SS=g.slot_stride,
-                             **consts, LIST=schedule == "list", PDL=pdl),
-                  dict(launch, launch_pdl=pdl))
+        work = torch.empty(plan.work_words, dtype=torch.int32, device=idx.device)
+        work[:1].zero_()
+        plan.due_list((N,), dict(idx=idx, work=work))
+    plan.flush(plan.grid, dict(idx=idx, work=work, scratch=scratch, scratch16=scratch.view(torch.float16)))

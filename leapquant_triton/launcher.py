@@ -75,21 +75,30 @@ class Launcher:
                 v = args[name]
             except KeyError:
                 raise TypeError(f"{self.name} takes {self.names}, got {tuple(args)}") from None
-            if isinstance(v, torch.Tensor):
-                ptr = v.data_ptr()
-                parts.append((v.dtype, ptr % 16 == 0))
-                values.append(ptr)
-                if v.get_device() != device:
-                    raise ValueError(f"{self.name}: argument {name} is on {v.device}, but the current device is "
-                                     f"{device}; make the tensors' device current (leapquant.flush does)")
-            elif isinstance(v, (bool, int, float, str, type(None))):
-                parts.append(v)
-                values.append(v)
-            else:
-                raise TypeError(f"{self.name}: argument {name} of type {type(v).__name__} has no launch key")
+            part, value = self._part(name, v, device)
+            parts.append(part)
+            values.append(value)
         parts.append(tuple(sorted(options.items())))
         parts.append(_knob_state())
         return tuple(parts), values
+
+    def _part(self, name: str, v, device: int | None) -> tuple:
+        """(the key part, the launch value) of argument ``name``; a tensor off ``device`` (unless None) is refused."""
+        if isinstance(v, torch.Tensor):
+            ptr = v.data_ptr()
+            if device is not None and v.get_device() != device:
+                raise ValueError(f"{self.name}: argument {name} is on {v.device}, but the current device is "
+                                 f"{device}; make the tensors' device current (leapquant.flush does)")
+            return (v.dtype, ptr % 16 == 0), ptr
+        if isinstance(v, (bool, int, float, str, type(None))):
+            return v, v
+        raise TypeError(f"{self.name}: argument {name} of type {type(v).__name__} has no launch key")
+
+    def prepare(self, static: dict, options: dict) -> "Prepared":
+        """The launches of ``fn`` that share ``static`` (every argument but a few) and ``options``: their key parts
+        and launch values are computed once, here. The static tensors must stay where they are (same objects, same
+        addresses) for as long as the result is used; the caller prepares again when they move."""
+        return Prepared(self, static, options)
 
     def __call__(self, grid: tuple, args: dict, options: dict) -> None:
         if not self.direct:
@@ -112,3 +121,54 @@ class Launcher:
             raise TypeError(f"{self.name} takes {self.names}, got {tuple(args)}")
         with self.compile_context():
             return self.fn[grid](**args, **options)
+
+
+class Prepared:
+    """``prepared(grid, dynamic)`` launches ``fn`` like ``launcher(grid, {**static, **dynamic}, options)``, with the
+    same key (:meth:`Launcher.prepare`): per launch only the dynamic arguments, the current device and the knobs
+    are looked at. Its kernels are kept apart from the launcher's (the first launch of each key binds)."""
+
+    def __init__(self, launcher: Launcher, static: dict, options: dict):
+        self.launcher = launcher
+        self.static = dict(static)
+        self.options = dict(options)
+        unknown = set(static) - set(launcher.names)
+        if unknown:
+            raise TypeError(f"{launcher.name} takes {launcher.names}, got {tuple(static)}")
+        self.dynamic = tuple(n for n in launcher.names if n not in static)
+        self.positions = tuple(launcher.names.index(n) for n in self.dynamic)
+        # the launch values in signature order, the dynamic ones filled in per launch; the static arguments' key parts
+        # are not needed: they are the same for every launch of this object, whose kernels are its own
+        self.template = [launcher._part(n, static[n], None)[1] if n in static else None for n in launcher.names]
+        # the devices of the static tensors (-1 on the CPU), checked against the current device per launch
+        self.devices = frozenset(v.get_device() for v in static.values() if isinstance(v, torch.Tensor))
+        self.kernels: dict = {}
+
+    def __call__(self, grid: tuple, dynamic: dict) -> None:
+        la = self.launcher
+        if not la.direct:
+            la._bound(grid, {**self.static, **dynamic}, self.options)
+            return
+        device = la.current_device()
+        if self.devices and self.devices != {device}:
+            raise ValueError(f"{la.name}: the prepared tensors are on device(s) {sorted(self.devices)}, but the "
+                             f"current device is {device}; make their device current (leapquant.flush does)")
+        values = list(self.template)
+        parts = [device, _knob_state()]
+        for name, pos in zip(self.dynamic, self.positions):
+            try:
+                v = dynamic[name]
+            except KeyError:
+                raise TypeError(f"{la.name}: missing argument {name} (dynamic: {self.dynamic})") from None
+            part, values[pos] = la._part(name, v, device)
+            parts.append(part)
+        if len(dynamic) != len(self.dynamic):
+            raise TypeError(f"{la.name}: dynamic arguments {self.dynamic}, got {tuple(dynamic)}")
+        key = tuple(parts)
+        kernel = self.kernels.get(key)
+        if kernel is None:
+            kernel = la._bound(grid, {**self.static, **dynamic}, self.options)
+            if hasattr(kernel, "function") and hasattr(kernel, "__getitem__"):
+                self.kernels[key] = kernel
+            return
+        kernel[tuple(grid) + (1,) * (3 - len(grid))](*values)

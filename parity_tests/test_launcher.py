@@ -177,3 +177,74 @@ def test_direct_by_default_only_for_a_compiled_jit_function():
 
     assert kernel._launch_flush.direct == isinstance(kernel.leapquant_flush_kernel,
                                                      __import__("triton").runtime.jit.JITFunction)
+
+
+def test_prepared_launches_take_the_static_arguments_once():
+    """``launcher.prepare(static, options)(grid, dynamic)`` launches like ``launcher(grid, {**static, **dynamic},
+    options)``: bound the first time, then directly, with every argument in signature order as the launcher gives it
+    (tensors as addresses); a static tensor's later contents do not matter, its address does (it stays put)."""
+    fn = _JitFn()
+    la = _launcher(fn)
+    x, y = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
+    pr = la.prepare(dict(x=x, n=5, B=False), OPTS)
+    assert pr.dynamic == ("y",)
+    pr((3,), dict(y=y))
+    pr((3, 2), dict(y=y))
+    assert [e[0] for e in fn.log] == ["bound", "direct"] and fn.inside == [True]
+    assert fn.log[0][2] == dict(x=x, y=y, n=5, B=False, **OPTS)
+    assert fn.log[1][1] == (3, 2, 1) and fn.log[1][2] == (x.data_ptr(), y.data_ptr(), 5, False)
+    assert not la.kernels  # the prepared launches keep their own kernels
+
+
+@pytest.mark.parametrize("change", ["misaligned", "dtype", "knob"])
+def test_a_prepared_launch_triton_may_specialise_differently_binds_again(change, monkeypatch):
+    import triton
+
+    fn = _JitFn()
+    la = _launcher(fn)
+    buf = torch.zeros(65)
+    pr = la.prepare(dict(y=torch.zeros(64, dtype=torch.int32), n=5, B=False), OPTS)
+    pr((1,), dict(x=buf[:64]))
+    pr((1,), dict(x=buf[:64]))
+    x = buf[:64]
+    if change == "misaligned":
+        x = buf[1:]
+    elif change == "dtype":
+        x = torch.zeros(64, dtype=torch.float16)
+    else:
+        monkeypatch.setattr(triton.knobs.runtime, "debug", not triton.knobs.runtime.debug)
+    pr((1,), dict(x=x))
+    pr((1,), dict(x=x))
+    assert [e[0] for e in fn.log] == ["bound", "direct", "bound", "direct"]
+    assert len(pr.kernels) == 2
+
+
+def test_prepared_launches_refuse_wrong_arguments_and_devices():
+    fn = _JitFn()
+    dev = [-1]
+    la = _launcher(fn, device=lambda: dev[0])
+    x, y = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
+    with pytest.raises(TypeError, match="takes"):
+        la.prepare(dict(x=x, z=1), OPTS)
+    with pytest.raises(TypeError, match="launch key"):
+        la.prepare(dict(x=[x]), OPTS)
+    pr = la.prepare(dict(x=x, n=5, B=False), OPTS)
+    with pytest.raises(TypeError, match="missing argument y"):
+        pr((1,), dict())
+    with pytest.raises(TypeError, match="dynamic arguments"):
+        pr((1,), dict(y=y, n=6))
+    pr((1,), dict(y=y))
+    dev[0] = 0  # the static x is on the CPU (-1)
+    with pytest.raises(ValueError, match="prepared tensors are on device"):
+        pr((1,), dict(y=y))
+    assert [e[0] for e in fn.log] == ["bound"]
+
+
+def test_not_direct_prepared_launches_always_bind():
+    fn = _JitFn()
+    la = Launcher(fn, fn.compile_context, direct=False, current_device=lambda: 0)
+    x, y = torch.zeros(64), torch.zeros(64, dtype=torch.int32)
+    pr = la.prepare(dict(x=x, n=5, B=False), OPTS)
+    for _ in range(3):
+        pr((1,), dict(y=y))
+    assert [e[0] for e in fn.log] == ["bound"] * 3 and not pr.kernels

@@ -310,27 +310,72 @@ def test_mma_sync_switch_is_scoped(monkeypatch):
 @pytest.mark.parametrize("schedule", ["grid", "list"])
 def test_direct_launches_write_what_bound_launches_write(schedule, monkeypatch):
     """Launches of the kept compiled kernel (launcher.py) leave the same bytes as launches through Triton's
-    argument binding, for an idx at a 16-byte boundary and one 4 bytes past it (which Triton specialises apart)."""
+    argument binding, for an idx at a 16-byte boundary and one 4 bytes past it (which Triton specialises apart). The
+    runs share one pool object, so that they share its plan (kernel._plan), whose prepared launches keep the
+    kernels."""
     from leapquant_triton import kernel
 
     pool, g = _pool(heads=3, head_k=128, head_v=128, ring=16, rank=4, gate="kda", seed=77)
     for s, h in [(1, 0), (1, 2), (2, 1), (3, 0), (4, 1), (4, 2)]:
         _fill_program(pool, s, h, g)
+    start = _snapshot(pool)
+    p = leapquant.Pool(pool.num_slots, 3, 128, 128, 16, 4, gate="kda", device=DEVICE)
     buf = torch.tensor([0, 4, 0, 1, 3, 2], dtype=torch.int32, device=DEVICE)
     for idx in (buf[:5], buf[1:]):
         out = []
-        for direct in (False, True, True):  # bound; first through the launcher (binds, keeps); then direct
+        for direct in (False, True, True):  # bound; first through the plan's launcher (binds, keeps); then direct
             monkeypatch.setattr(kernel._launch_flush, "direct", direct)
             monkeypatch.setattr(kernel._launch_due_list, "direct", direct)
-            p = leapquant.Pool(pool.num_slots, 3, 128, 128, 16, 4, gate="kda", device=DEVICE)
-            for name, t in _snapshot(pool).items():
+            for name, t in start.items():
                 getattr(p, name).copy_(t)
             flush_pool(p, idx, schedule=schedule)
             out.append(_snapshot(p))
         for name in out[0]:
             for o in out[1:]:
                 assert torch.equal(_bytes(out[0][name].cpu()), _bytes(o[name].cpu())), (idx.data_ptr() % 16, name)
-        assert not torch.equal(_bytes(out[0]["raw"].cpu()), _bytes(pool.raw.cpu()))  # the flush did something
-    keys = [k for k in kernel._launch_flush.kernels if k[0] == torch.cuda.current_device()]
-    idx_aligned = {k[1 + kernel._launch_flush.names.index("idx")][1] for k in keys}
+        assert not torch.equal(_bytes(out[0]["raw"].cpu()), _bytes(start["raw"].cpu()))  # the flush did something
+    (plan,) = kernel._PLANS[p.raw].values()
+    keys = [k for k in plan.flush.kernels if k[0] == torch.cuda.current_device()]
+    idx_aligned = {k[2 + plan.flush.dynamic.index("idx")][1] for k in keys}
     assert idx_aligned == {True, False}
+
+
+def test_plans_follow_the_pools_memory():
+    """kernel.flush_pool keeps one plan per pool memory, N and build (kernel._plan): a second flush of the same pool
+    takes it again, and so does a pool made afresh over the same tensors (the custom op's way); a pool whose tensor
+    was replaced by another gets a new plan, and its flush reads the new tensor; the plans go with the pool."""
+    import gc
+
+    from leapquant_triton import kernel
+
+    pool, g = _pool(heads=1, head_k=64, head_v=64, ring=8, rank=1, gate="kda", num_slots=3, seed=5)
+    _fill_program(pool, 1, 0, g)
+    start = _snapshot(pool)
+    idx = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    flush_pool(pool, idx)
+    first = kernel._plan(pool, 1, schedule_for(1, 1), 4, None, idx.device)
+    assert kernel._plan(pool, 1, schedule_for(1, 1), 4, None, idx.device) is first
+    twin = leapquant.Pool.from_tensors(pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt,
+                                       pool.q0, num_slots=3, heads=1, head_k=64, head_v=64, ring=8, rank=1,
+                                       gate="kda")
+    assert kernel._plan(twin, 1, schedule_for(1, 1), 4, None, idx.device) is first
+    assert len(kernel._PLANS[pool.raw]) == 1
+
+    # the same pool with another ring in a new tensor: the flush must read it, as a pool built with it does
+    for name, t in start.items():
+        getattr(pool, name).copy_(t)
+    pool.ubuf = 2 * pool.ubuf
+    want = leapquant.Pool(3, 1, 64, 64, 8, 1, gate="kda", device=DEVICE)
+    for name, t in start.items():
+        getattr(want, name).copy_(t)
+    want.ubuf.copy_(pool.ubuf)
+    flush_pool(pool, idx)
+    flush_pool(want, idx)
+    assert torch.equal(_bytes(pool.raw.cpu()), _bytes(want.raw.cpu()))
+    assert not torch.equal(_bytes(pool.raw.cpu()), _bytes(start["raw"].cpu()))
+    assert kernel._plan(pool, 1, schedule_for(1, 1), 4, None, idx.device) is not first
+
+    n = len(kernel._PLANS)
+    del pool, twin, first
+    gc.collect()
+    assert len(kernel._PLANS) == n - 1
