@@ -20,6 +20,10 @@ device (``cuPointerGetAttribute``), per pointer and per launch. The launcher her
 driver: every tensor must be on the current device (``Tensor.get_device``), else a ValueError names it; a launch on
 another GPU's memory would fault in the kernel instead of being refused.
 
+:meth:`Launcher.prepare` takes the arguments that stay the same from launch to launch (a pool's tensors and
+constants) once, and returns a :class:`Prepared` launch that looks only at the others per call: with 31 arguments
+the key is most of the host time of a launch (bench/NOTES.md, session 11).
+
 Under ``TRITON_INTERPRET=1`` every call goes through ``fn[grid]``.
 """
 
@@ -105,12 +109,17 @@ class Launcher:
             self._bound(grid, args, options)
             return
         key, values = self._prepare(args, options)
-        kernel = self.kernels.get(key)
+        self._launch(self.kernels, key, grid, values, args, options)
+
+    def _launch(self, kernels: dict, key: tuple, grid: tuple, values: list, args: dict, options: dict) -> None:
+        """The kernel kept in ``kernels`` under ``key`` launched with ``values``; without one, a bound launch with
+        ``args``, whose compiled kernel is then kept."""
+        kernel = kernels.get(key)
         if kernel is None:
             kernel = self._bound(grid, args, options)
             # a kernel compiled in the background would come back as a future: launched, not kept
             if hasattr(kernel, "function") and hasattr(kernel, "__getitem__"):
-                self.kernels[key] = kernel
+                kernels[key] = kernel
             return
         kernel[tuple(grid) + (1,) * (3 - len(grid))](*values)
 
@@ -164,11 +173,4 @@ class Prepared:
             parts.append(part)
         if len(dynamic) != len(self.dynamic):
             raise TypeError(f"{la.name}: dynamic arguments {self.dynamic}, got {tuple(dynamic)}")
-        key = tuple(parts)
-        kernel = self.kernels.get(key)
-        if kernel is None:
-            kernel = la._bound(grid, {**self.static, **dynamic}, self.options)
-            if hasattr(kernel, "function") and hasattr(kernel, "__getitem__"):
-                self.kernels[key] = kernel
-            return
-        kernel[tuple(grid) + (1,) * (3 - len(grid))](*values)
+        la._launch(self.kernels, tuple(parts), grid, values, {**self.static, **dynamic}, self.options)
