@@ -537,7 +537,8 @@ def _pdl(device: torch.device) -> bool:
     return not _interpreting() and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-# every launch of the two kernels: compiled inside mma_sync_only, launched directly once compiled (launcher.py)
+# every launch of the two kernels: compiled inside mma_sync_only, launched directly once compiled (launcher.py), from
+# the per-pool plans of flush_pool (_plan)
 _launch_due_list = Launcher(due_list_kernel, mma_sync_only)
 _launch_flush = Launcher(leapquant_flush_kernel, mma_sync_only)
 
