@@ -99,9 +99,10 @@ class Launcher:
         raise TypeError(f"{self.name}: argument {name} of type {type(v).__name__} has no launch key")
 
     def prepare(self, static: dict, options: dict) -> "Prepared":
-        """The launches of ``fn`` that share ``static`` (every argument but a few) and ``options``: their key parts
-        and launch values are computed once, here. The static tensors must stay where they are (same objects, same
-        addresses) for as long as the result is used; the caller prepares again when they move."""
+        """The launches of ``fn`` that share ``static`` (every argument but a few) and ``options``: the static
+        arguments' launch values (the tensors' addresses) are taken once, here, and stay out of the key. The static
+        tensors must stay where they are (same objects, same addresses) for as long as the result is used; the caller
+        prepares again when they move."""
         return Prepared(self, static, options)
 
     def __call__(self, grid: tuple, args: dict, options: dict) -> None:
@@ -133,9 +134,10 @@ class Launcher:
 
 
 class Prepared:
-    """``prepared(grid, dynamic)`` launches ``fn`` like ``launcher(grid, {**static, **dynamic}, options)``, with the
-    same key (:meth:`Launcher.prepare`): per launch only the dynamic arguments, the current device and the knobs
-    are looked at. Its kernels are kept apart from the launcher's (the first launch of each key binds)."""
+    """``prepared(grid, dynamic)`` launches ``fn`` like ``launcher(grid, {**static, **dynamic}, options)``
+    (:meth:`Launcher.prepare`). Its key is the launcher's less the parts that cannot change here (the static
+    arguments and the options): the current device, the knobs and the dynamic arguments. Its kernels are kept apart
+    from the launcher's, so the first launch of each key binds."""
 
     def __init__(self, launcher: Launcher, static: dict, options: dict):
         self.launcher = launcher
