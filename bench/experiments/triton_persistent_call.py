@@ -4,9 +4,10 @@
 # they take 8.5 us (parity_tests/gpu_runs/2026-11-30_s12_call2_fixed_time.log). Session 7 looped the same way with the
 # flush inlined into the loop, and LLVM hoisted the program's index arithmetic out of it (spills 244 -> 500-800 B, +14 %
 # all due); here the flush of one pair is a call (`@triton.jit(noinline=True)`), which nothing is hoisted across.
-# Writes two copies of leapquant_triton/kernel.py, for the sweep (bench/experiments/triton_sweep.py), whose
+# Writes copies of leapquant_triton/kernel.py, for the sweep (bench/experiments/triton_sweep.py), whose
 # flush_pool takes the list schedule at every size: kp_call.py (the flush of one pair a call) and kp_inline.py (the
-# same loop, inlined, as session 7's), and prints the sweep command.
+# same loop, inlined, as session 7's), kp_steal.py (the call, pairs after the first taken from a counter), and prints
+# the sweep command.
 # Usage: python bench/experiments/triton_persistent_call.py [OUT_DIR]   (default .device)
 import os
 import sys
@@ -50,7 +51,18 @@ IMPORTS = [("from .backend import", "from leapquant_triton.backend import"),
            ("from .launcher import", "from leapquant_triton.launcher import")]
 
 
-def variant(text: str, call: bool) -> str:
+# kp_steal: after its first pair, a program takes the next one from a counter (an atomic add), so that programs
+# that finish early take more pairs (round robin gives every program 31 or 32 pairs all due, whatever they cost); the
+# due list moves to work[2:] and the zeroing covers work[1], the counter
+STEAL = [("    tl.store(work + 1 + base + tl.cumsum", "    tl.store(work + 2 + base + tl.cumsum"),
+         ("            i_sh = tl.load(work + 1 + p)", "            i_sh = tl.load(work + 2 + p)"),
+         ("            p += tl.num_programs(0)\n",
+          "            p = tl.num_programs(0) + tl.atomic_add(work + 1, 1, sem=\"relaxed\")\n"),
+         ("        self.work_words = 1 + N * g.heads", "        self.work_words = 2 + N * g.heads"),
+         ("        work[:1].zero_()", "        work[:2].zero_()")]
+
+
+def variant(text: str, call: bool, steal: bool = False) -> str:
     edits = IMPORTS + [(GRID, GRID_NEW), (SCHEDULE, "    schedule = schedule or \"list\"\n")]
     if call:
         edits.append(("@triton.jit\ndef _flush_one(", "@triton.jit(noinline=True)\ndef _flush_one("))
@@ -58,7 +70,11 @@ def variant(text: str, call: bool) -> str:
         assert text.count(old) == 1, f"not found once in kernel.py: {old[:60]!r}"
         text = text.replace(old, new)
     a, b = text.index(LIST_FROM), text.index(LIST_TO) + len(LIST_TO)
-    return text[:a] + LOOP + text[b:]
+    text = text[:a] + LOOP + text[b:]
+    for old, new in STEAL if steal else []:
+        assert text.count(old) == 1, f"not found once: {old[:60]!r}"
+        text = text.replace(old, new)
+    return text
 
 
 def main():
@@ -66,11 +82,11 @@ def main():
     os.makedirs(out, exist_ok=True)
     with open(SRC) as f:
         src = f.read()
-    for name, call in (("kp_call", True), ("kp_inline", False)):
+    for name, call, steal in (("kp_call", True, False), ("kp_inline", False, False), ("kp_steal", True, True)):
         with open(os.path.join(out, name + ".py"), "w") as f:
-            f.write(variant(src, call))
+            f.write(variant(src, call, steal))
     print(f"SWEEP_PARITY_ROWS=24 python bench/experiments/triton_sweep.py -:-:list -:-:file:{out}/kp_call.py "
-          f"-:-:file:{out}/kp_inline.py")
+          f"-:-:file:{out}/kp_inline.py -:-:file:{out}/kp_steal.py")
 
 
 if __name__ == "__main__":
