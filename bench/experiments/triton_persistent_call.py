@@ -8,15 +8,17 @@
 # flush_pool takes the list schedule at every size: kp_call.py (the flush of one pair a call) and kp_inline.py (the
 # same loop, inlined, as session 7's), kp_steal.py (the call, pairs after the first taken from a counter), and prints
 # the sweep command.
-# Usage: python bench/experiments/triton_persistent_call.py [OUT_DIR]   (default .device)
+# Usage: PYTHONPATH=$PWD python bench/experiments/triton_persistent_call.py [OUT_DIR]   (default .device)
 import os
 import sys
+
+from bench.experiments.triton_ablations import edit
 
 SRC = os.path.join(os.path.dirname(__file__), "..", "..", "leapquant_triton", "kernel.py")
 PER_SM = 2  # programs at once per SM at 128 registers x 256 threads
 
 LIST_FROM = "    if LIST:\n        pid = tl.program_id(0)\n"
-LIST_TO = "               L, R, BL, BR, ITERS, IS_KDA, BF16_DOTS)\n"
+LIST_TO = "        o_scr = pid.to(tl.int64) * SCR\n"
 LOOP = '''    if LIST:
         # a fixed grid (flush_pool: at most PER_SM programs per SM); program pid flushes due pairs pid, pid + grid, ...
         pid = tl.program_id(0)
@@ -31,21 +33,14 @@ LOOP = '''    if LIST:
             _flush_one(p.to(tl.int64) * SCR, i_h, i_s.to(tl.int64), i_sh.to(tl.int64), codes, skv, uq, kbuf, ubuf,
                        w, pcum, gbuf, q0, scratch, scratch16, SS, K, V, L, R, BL, BR, ITERS, IS_KDA, BF16_DOTS)
             p += tl.num_programs(0)
-    else:
-        i_n, i_h = tl.program_id(0), tl.program_id(1)
-        i_s = tl.load(idx + i_n).to(tl.int64)
-        if (i_s < FIRST) | (i_s >= NS):
-            return
-        i_sh = i_s * HV + i_h
-        if tl.load(hcnt + i_sh) != L:
-            return
-        o_scr = (i_n.to(tl.int64) * HV + i_h) * SCR
-        _flush_one(o_scr, i_h, i_s, i_sh, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, scratch, scratch16, SS, K, V,
-                   L, R, BL, BR, ITERS, IS_KDA, BF16_DOTS)
 '''
+# the grid schedule's branch after it stays as it is; its call of _flush_one, after the two branches, moves into it
+CALL, CALL_END = "\n    _flush_one(o_scr, i_h, i_s, i_sh,", "               L, R, BL, BR, ITERS, IS_KDA, BF16_DOTS)\n"
+INDENT = [(CALL, CALL.replace("\n", "\n    ")), (CALL_END, "    " + CALL_END)]
 GRID = "        self.grid = (N * g.heads,) if schedule == \"list\" else (N, g.heads)\n"
-GRID_NEW = (f"        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == \"cuda\" "
-            f"else 2\n        self.grid = (min(N * g.heads, {PER_SM} * sms),) if schedule == \"list\" else (N, g.heads)\n")
+GRID_NEW = ("        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == \"cuda\" "
+            f"else 2\n        self.grid = (min(N * g.heads, {PER_SM} * sms),) if schedule == \"list\" "
+            "else (N, g.heads)\n")
 SCHEDULE = "    schedule = schedule or schedule_for(N, g.heads)\n"
 IMPORTS = [("from .backend import", "from leapquant_triton.backend import"),
            ("from .launcher import", "from leapquant_triton.launcher import")]
@@ -63,18 +58,10 @@ STEAL = [("    tl.store(work + 1 + base + tl.cumsum", "    tl.store(work + 2 + b
 
 
 def variant(text: str, call: bool, steal: bool = False) -> str:
-    edits = IMPORTS + [(GRID, GRID_NEW), (SCHEDULE, "    schedule = schedule or \"list\"\n")]
-    if call:
-        edits.append(("@triton.jit\ndef _flush_one(", "@triton.jit(noinline=True)\ndef _flush_one("))
-    for old, new in edits:
-        assert text.count(old) == 1, f"not found once in kernel.py: {old[:60]!r}"
-        text = text.replace(old, new)
+    text = edit(text, IMPORTS + INDENT + [(GRID, GRID_NEW), (SCHEDULE, "    schedule = schedule or \"list\"\n")]
+                + ([("@triton.jit\ndef _flush_one(", "@triton.jit(noinline=True)\ndef _flush_one(")] if call else []))
     a, b = text.index(LIST_FROM), text.index(LIST_TO) + len(LIST_TO)
-    text = text[:a] + LOOP + text[b:]
-    for old, new in STEAL if steal else []:
-        assert text.count(old) == 1, f"not found once: {old[:60]!r}"
-        text = text.replace(old, new)
-    return text
+    return edit(text[:a] + LOOP + text[b:], STEAL if steal else [])
 
 
 def main():
