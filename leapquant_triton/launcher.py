@@ -110,14 +110,16 @@ class Launcher:
             self._bound(grid, args, options)
             return
         key, values = self._prepare(args, options)
-        self._launch(self.kernels, key, grid, values, args, options)
+        self._launch(self.kernels, key, grid, values, args, {}, options)
 
-    def _launch(self, kernels: dict, key: tuple, grid: tuple, values: list, args: dict, options: dict) -> None:
-        """The kernel kept in ``kernels`` under ``key`` launched with ``values``; without one, a bound launch with
-        ``args``, whose compiled kernel is then kept."""
+    def _launch(self, kernels: dict, key: tuple, grid: tuple, values: list, static: dict, dynamic: dict,
+                options: dict) -> None:
+        """The kernel kept in ``kernels`` under ``key`` launched with ``values``; without one, a bound launch with the
+        arguments ``static`` and ``dynamic`` (merged only then: not on the direct path), whose compiled kernel is then
+        kept."""
         kernel = kernels.get(key)
         if kernel is None:
-            kernel = self._bound(grid, args, options)
+            kernel = self._bound(grid, {**static, **dynamic}, options)
             # a kernel compiled in the background would come back as a future: launched, not kept
             if hasattr(kernel, "function") and hasattr(kernel, "__getitem__"):
                 kernels[key] = kernel
@@ -175,4 +177,4 @@ class Prepared:
             parts.append(part)
         if len(dynamic) != len(self.dynamic):
             raise TypeError(f"{la.name}: dynamic arguments {self.dynamic}, got {tuple(dynamic)}")
-        la._launch(self.kernels, tuple(parts), grid, values, {**self.static, **dynamic}, self.options)
+        la._launch(self.kernels, tuple(parts), grid, values, self.static, dynamic, self.options)
