@@ -25,7 +25,7 @@ import triton.language as tl
 
 import leapquant
 from bench.experiments.triton_phase_clock import EXTRA, variant_module
-from bench.timing import Evictor
+from bench.timing import Evictor, capture
 from leapquant.workloads import fill
 
 
@@ -59,19 +59,16 @@ def main():
             marker_kernel[(1,)](marks, 1)
 
         run()  # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
+        replay = capture(run, dev)
         scratch = mod.LAST_SCRATCH  # the captured flush's scratch, which every replay writes
         rows = {k: [] for k in ("head", "due", "tail", "drain", "all", "events")}
-        for rep in range(18):
+        for rep in range(18):  # (stamps read after each replay: bench.timing.time_replays queues them unsynchronised)
             for n, t in saved.items():
                 getattr(pool, n).copy_(t)
             evict()
             a, b = torch.cuda.Event(True), torch.cuda.Event(True)
             a.record()
-            graph.replay()
+            replay()
             b.record()
             b.synchronize()
             if rep < 3:
