@@ -8,7 +8,8 @@ checkpoint and the ring resets are written in place. Two schedules find the due 
     list   :func:`due_list_kernel` lists the due pairs, then :func:`leapquant_flush_kernel` (``LIST`` True), grid
            ``(N HV,)``: program p takes the p-th due pair, so the due programs are launched first; for large flushes.
            On sm_90 and later both launch as programmatic dependents (:func:`_pdl`): their programs start while the
-           kernel before them drains
+           kernel before them drains; and each flush program prefetches into L2 the inputs of the pair one round of
+           programs later in the list (:func:`prefetch_ahead`)
 
 Legend of the block values (``b_`` prefix), shapes in SPEC letters, ``BR`` = rank padded to 16 and ``BL`` = ring
 padded to 16 (``tl.dot`` needs every dimension >= 16; padded rows and columns are zero):
@@ -69,6 +70,46 @@ FP16_MAX = tl.constexpr(constants.FP16_MAX)
 # 1.5 * 2^23: adding it rounds an fp32 |x| <= 2^22 to an integer, half to even, on the GPU and in the interpreter
 # alike (libdevice's rint has no interpreter counterpart)
 RINT_MAGIC = tl.constexpr(12582912.0)
+
+
+# thread 0 asks for one due pair's inputs in L2 (sm_90 bulk prefetches: 16-byte aligned addresses, sizes multiples
+# of 16): the checkpoint region (codes, scales, factors), its kbuf, ubuf and gbuf rows, and w (L * 4 bytes); flag 0
+# issues nothing
+_PREFETCH_ASM = tl.constexpr("""{
+.reg .pred p;
+.reg .b32 t;
+mov.u32 t, %tid.x;
+setp.eq.u32 p, t, 0;
+setp.ne.and.u32 p, $6, 0, p;
+@p cp.async.bulk.prefetch.L2.global [$1], $7;
+@p cp.async.bulk.prefetch.L2.global [$2], $8;
+@p cp.async.bulk.prefetch.L2.global [$3], $8;
+@p cp.async.bulk.prefetch.L2.global [$4], $8;
+@p cp.async.bulk.prefetch.L2.global [$5], $9;
+mov.u32 $0, 0;
+}""")
+
+
+@triton.jit
+def _prefetch(work, n_due, q, codes, kbuf, ubuf, w, gbuf, HV, SS, K: tl.constexpr, V: tl.constexpr,
+              L: tl.constexpr, R: tl.constexpr, IS_KDA: tl.constexpr):
+    """The inputs of the due pair ``work[1 + q]`` (if q < n_due) prefetched into L2: the program that takes it starts
+    about one round of programs later, and its loads then hit L2."""
+    live = q < n_due
+    i_sh = tl.load(work + 1 + q, mask=live, other=0)
+    i_s = i_sh // HV
+    i_h = i_sh - i_s * HV
+    i_s, i_sh = i_s.to(tl.int64), i_sh.to(tl.int64)
+    a_reg = (codes + (i_s * SS + i_h * (V * K)) * 4).to(tl.int64, bitcast=True)
+    a_k = (kbuf + i_sh * (L * K)).to(tl.int64, bitcast=True)
+    a_u = (ubuf + i_sh * (L * V)).to(tl.int64, bitcast=True)
+    a_w = (w + i_sh * L).to(tl.int64, bitcast=True)
+    a_g = a_u
+    if IS_KDA:
+        a_g = (gbuf + i_sh * (L * K)).to(tl.int64, bitcast=True)
+    tl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,l,l,l,l,r,r,r,r",
+                              [a_reg, a_k, a_u, a_g, a_w, live.to(tl.int32), V * K + 4 * (K + V) + 2 * R * (K + V),
+                               L * K * 2, L * 4], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -414,6 +455,7 @@ def leapquant_flush_kernel(
     BF16_DOTS: tl.constexpr,  # False under the interpreter (its bf16 dot is wrong): the ring's pieces go as fp32
     LIST: tl.constexpr,  # the schedule: False = grid, True = list
     PDL: tl.constexpr,  # (list) launched as a programmatic dependent of due_list_kernel (sm_90 and later)
+    AHEAD: tl.constexpr = 0,  # (list, sm_90) L2 prefetch of the inputs of the pair AHEAD places later (0: none)
 ):
     """The flush of one (slot, head) per program, found by either schedule (the module's docstring):
 
@@ -427,8 +469,11 @@ def leapquant_flush_kernel(
         pid = tl.program_id(0)
         if PDL:
             gdc_wait()  # the due list is complete and visible
-        if pid >= tl.load(work):
+        n_due = tl.load(work)
+        if pid >= n_due:
             return
+        if AHEAD > 0:
+            _prefetch(work, n_due, pid + AHEAD, codes, kbuf, ubuf, w, gbuf, HV, SS, K, V, L, R, IS_KDA)
         i_sh = tl.load(work + 1 + pid)  # int32 (slot HV + head < N HV): a 32-bit division, not a 64-bit one
         i_s = i_sh // HV
         i_h = i_sh - i_s * HV
@@ -530,6 +575,16 @@ def mma_sync_only():
                     os.environ[k] = v
 
 
+def prefetch_ahead(device: torch.device) -> int:
+    """How far ahead in the due list a program of the list schedule prefetches the inputs of another pair into L2
+    (``cp.async.bulk.prefetch.L2``, sm_90 and later; 0 elsewhere and under the interpreter): two programs per SM, so
+    2 x the SM count is the pair that starts about one round later, on whichever SM frees first. Measured on the H200
+    (bench/NOTES.md, session 13): -3 to -4 % all due, -0.7 to -1 us at 1/16; four SMs' worth ahead gained less."""
+    if _interpreting() or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return 0
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _pdl(device: torch.device) -> bool:
     """Whether the list schedule's kernels launch as programmatic dependents of the kernel before them (sm_90 and
     later, not under the interpreter): a kernel's programs then start while the one before it finishes, and wait for
@@ -573,13 +628,15 @@ class _Plan:
         consts = kernel_constants(g, pool.convention, pool.iters)
         self.scratch_words = N * g.heads * consts["SCR"]
         pdl = schedule == "list" and _pdl(device)
+        ahead = prefetch_ahead(device) if schedule == "list" else 0
         self.grid = (N * g.heads,) if schedule == "list" else (N, g.heads)
         self.work_words = 1 + N * g.heads if schedule == "list" else 0
         codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, hcnt = tensors
         self.flush = _launch_flush.prepare(
             dict(hcnt=hcnt, codes=codes, skv=skv, uq=uq, kbuf=kbuf, ubuf=ubuf, w=w, pcum=pcum,
                  gbuf=gbuf if gbuf is not None else w,  # GDN never reads it
-                 q0=q0, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, **consts, LIST=schedule == "list", PDL=pdl),
+                 q0=q0, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, **consts, LIST=schedule == "list", PDL=pdl,
+                 AHEAD=ahead),
             dict(compile_options(nw, cap), launch_pdl=pdl))
         self.due_list = None
         if schedule == "list":
