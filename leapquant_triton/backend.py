@@ -35,9 +35,9 @@ class TritonBackend(Backend):
 
     name = "triton"
     # above TileLang's: on the H200 (bench/results/flush_h200.md, KDA, 32 heads) it is faster with 1/16 of the heads
-    # due, a ring of 16 in steady state (42.4 against 56.7 us at 256 rows; and at every batch measured, up to 512
-    # rows), and whenever at most 2,048 programs are due; TileLang is faster only from 4,096 due programs (4-9 % in
-    # that run and in earlier ones). It also takes any head count and keeps SPEC §4's wider domain (max|S|
+    # due, a ring of 16 in steady state (41.5 against 56.6 us at 256 rows; and at every batch measured, up to 512
+    # rows), and whenever at most 2,048 programs are due; TileLang is faster only from 4,096 due programs (1-6 % in
+    # that run, 4-9 % in earlier ones). It also takes any head count and keeps SPEC §4's wider domain (max|S|
     # 2^-40 .. 2^40; TileLang's fp16 state 2^-10 .. 2^14)
     priority = 20
     description = "Triton kernel, one program per (row, head); CUDA sm_80-120 (CPU under TRITON_INTERPRET=1)"
