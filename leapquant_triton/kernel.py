@@ -579,7 +579,7 @@ def prefetch_ahead(device: torch.device) -> int:
     """How far ahead in the due list a program of the list schedule prefetches the inputs of another pair into L2
     (``cp.async.bulk.prefetch.L2``, sm_90 and later; 0 elsewhere and under the interpreter): two programs per SM, so
     2 x the SM count is the pair that starts about one round later, on whichever SM frees first. Measured on the H200
-    (bench/NOTES.md, session 13): -3 to -4 % all due, -0.7 to -1 us at 1/16; four SMs' worth ahead gained less."""
+    (bench/NOTES.md, session 13): -3 to -4 % all due, -0.7 to -1.3 us at 1/16; four SMs' worth ahead gained less."""
     if _interpreting() or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
         return 0
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count

@@ -84,6 +84,7 @@ class Report:
     seconds: float = 0.0
     error: str = ""
     mma: str = ""  # the tensor-core instructions of the PTX (mma_family)
+    prefetches: int = 0  # bulk L2 prefetches in the PTX (the list build on sm_90 and later: kernel.prefetch_ahead)
 
     def line(self) -> str:
         if self.error:
@@ -158,6 +159,7 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
         return rep
     rep.regs, rep.spill_bytes, rep.smem = regs, spills, ck.metadata.shared + static_smem
     rep.mma = mma_family(ck.asm["ptx"])
+    rep.prefetches = ck.asm["ptx"].count("cp.async.bulk.prefetch.L2")
     rep.seconds = time.time() - t0
     # every claimed build must take the mma.sync lowering (kernel.mma_sync_only): a Triton release that stops
     # honouring the switch would hand the H200 the wgmma build that miscompiles this kernel

@@ -63,6 +63,24 @@ def test_mma_family(ptx, family):
     assert mma_family(ptx) == family
 
 
+def test_list_build_prefetches_from_sm_90_only():
+    """The AOT check compiles the list build as an H200 launches it, with the L2 prefetch of the pair one round ahead
+    (kernel.prefetch_ahead: five bulk prefetches), and the sm_80 list build and the grid builds without it."""
+    code = (
+        "import leapquant_triton.portability as p\n"
+        "for arch, kernel in ((90, 'list'), (100, 'list'), (80, 'list'), (90, 'grid')):\n"
+        "    r = p.compile_one(arch, p.SHAPES[0], kernel)\n"
+        "    print('RESULT', arch, kernel, r.ok, r.prefetches, r.error)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout + res.stderr[-4000:]
+    got = {(x.split()[1], x.split()[2]): x.split()[3:5] for x in res.stdout.splitlines() if x.startswith("RESULT")}
+    assert got == {("90", "list"): ["True", "5"], ("100", "list"): ["True", "5"], ("80", "list"): ["True", "0"],
+                   ("90", "grid"): ["True", "0"]}, res.stdout
+
+
 def test_unclaimed_target_reported_not_failed():
     """sm_75 (no bf16 tensor cores: FMA dots that spill) is compiled and reported as not fitting, and does not fail
     the check because the backend does not claim it."""
