@@ -30,16 +30,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from leapquant import constants
 import leapquant_triton.kernel as kk
-
-QMAX = gl.constexpr(constants.QMAX)
-EPS = gl.constexpr(constants.EPS)
-FLOOR = gl.constexpr(constants.FLOOR)
-TINY = gl.constexpr(constants.TINY)
-PNMIN = gl.constexpr(constants.PNMIN)
-FP16_MAX = gl.constexpr(constants.FP16_MAX)
-RINT_MAGIC = gl.constexpr(12582912.0)
+# the SPEC's constants as the `tl` kernel holds them (gl.constexpr is tl.constexpr)
+from leapquant_triton.kernel import EPS, FLOOR, FP16_MAX, PNMIN, QMAX, RINT_MAGIC, TINY
 
 
 @gluon.jit
@@ -103,46 +96,6 @@ def _columns_tile(o_r, q0, q1, q2, q3):
     t = gl.where(r == 1, q1[None, :], t)
     t = gl.where(r == 2, q2[None, :], t)
     return gl.where(r == 3, q3[None, :], t)
-
-
-# thread 0 asks for one pair's inputs in L2 (sm_90 bulk prefetches, 16-byte aligned, sizes multiples of 16): the
-# checkpoint region, kbuf, ubuf and gbuf rows, w (L * 4 bytes); flag 0 issues nothing
-_PREFETCH_ASM = gl.constexpr("""{
-.reg .pred p;
-.reg .b32 t;
-mov.u32 t, %tid.x;
-setp.eq.u32 p, t, 0;
-setp.ne.and.u32 p, $6, 0, p;
-@p cp.async.bulk.prefetch.L2.global [$1], $7;
-@p cp.async.bulk.prefetch.L2.global [$2], $8;
-@p cp.async.bulk.prefetch.L2.global [$3], $8;
-@p cp.async.bulk.prefetch.L2.global [$4], $8;
-@p cp.async.bulk.prefetch.L2.global [$5], $9;
-mov.u32 $0, 0;
-}""")
-
-
-@gluon.jit
-def _prefetch(work, n_due, q, codes, kbuf, ubuf, w, gbuf, HV, SS, K: gl.constexpr, V: gl.constexpr,
-              L: gl.constexpr, R: gl.constexpr, IS_KDA: gl.constexpr):
-    """Bulk L2 prefetch of the inputs of due pair ``q`` (if q < n_due): the program that will take it starts about
-    one program's time later, and its loads then hit L2."""
-    live = q < n_due
-    i_sh = gl.load(work + 1 + q, mask=live, other=0)
-    i_s = i_sh // HV
-    i_h = i_sh - i_s * HV
-    i_s = i_s.to(gl.int64)
-    i_sh = i_sh.to(gl.int64)
-    a_reg = (codes + (i_s * SS + i_h * (V * K)) * 4).to(gl.int64, bitcast=True)
-    a_k = (kbuf + i_sh * (L * K)).to(gl.int64, bitcast=True)
-    a_u = (ubuf + i_sh * (L * V)).to(gl.int64, bitcast=True)
-    a_w = (w + i_sh * L).to(gl.int64, bitcast=True)
-    a_g = a_u
-    if IS_KDA:
-        a_g = (gbuf + i_sh * (L * K)).to(gl.int64, bitcast=True)
-    gl.inline_asm_elementwise(_PREFETCH_ASM, "=r,l,l,l,l,l,r,r,r,r",
-                              [a_reg, a_k, a_u, a_g, a_w, live.to(gl.int32), V * K + 4 * (K + V) + 2 * R * (K + V),
-                               L * K * 2, L * 4], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -217,7 +170,7 @@ def gluon_flush_kernel(work, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, HV, 
     if pid >= n_due:
         return
     if AHEAD > 0:
-        _prefetch(work, n_due, pid + AHEAD, codes, kbuf, ubuf, w, gbuf, HV, SS, K, V, L, R, IS_KDA)
+        kk._prefetch(work, n_due, pid + AHEAD, codes, kbuf, ubuf, w, gbuf, HV, SS, K, V, L, R, IS_KDA)
     i_sh = gl.load(work + 1 + pid)
     i_s = i_sh // HV
     i_h = i_sh - i_s * HV
