@@ -1,5 +1,6 @@
-"""The flush written in Gluon (session 13): the question is how much of a due program's time is the ``tl`` kernel's
-layout traffic, which Gluon's explicit layouts and shared memory take out.
+"""The flush written in Gluon (session 13): the question was how much of a due program's time is the ``tl`` kernel's
+layout traffic, which Gluon's explicit layouts and shared memory take out. Answer (bench/NOTES.md, session 13): little;
+the best build is 2.6 / 3.9 % faster than the ``tl`` kernel all due (KDA / GDN), with the same parity.
 
 Same numerics and schedule as leapquant_triton/kernel.py (the list schedule; its ``due_list_kernel`` lists the due
 pairs), for the default geometry only (V = K = 128, ring <= 16, rank <= 4, one iteration), 8 warps per program, two
@@ -7,19 +8,22 @@ programs per SM (128 registers):
 
 * the state S [V, K] fp32 lives in the ``mma.sync`` accumulator layout from the rebuild to the codes: the old rank-R
   part, the ring's three bf16 pieces and the correction -q16 u16^T are ``mma_v2`` products accumulated onto it in
-  place, with no layout conversion of the state;
+  place, with no layout conversion of the state (its warps: ``S_WARPS``);
 * Sn = fp16(c S) is stored once into shared memory; P = Sn^T Q, Y = Sn P and U = Sn^T q16 all read that one copy
   (``ldmatrix``; the ``tl`` kernel converts the state into each product's operand layout from registers);
-* the KDA decays are a per-thread reverse scan over the 16 ring rows of one key column (no masked row products);
-* Y goes to shared memory once; CholeskyQR2 runs on its four [V] columns, one row per thread, the 10 Gram entries in
-  one 10-operand reduction; the second step reuses the first's columns in registers;
+* the KDA decays are a forward scan within the thread holding a key column, over the ring's rows in reverse order
+  (no masked row products; Triton's reverse scan goes through shuffles);
+* Y goes to shared memory once; CholeskyQR2 runs on its four [V] columns (``CHOLQR``: the layout), the 10 Gram
+  entries in one 10-operand reduction; the second step reuses the first's columns in registers;
 * the column sums of |E| are bf16 |E|^T x ones on the tensor cores from shared memory (Sn's buffer), as the ``tl``
-  kernel and the seed take them; the codes are converted to 16-byte rows before they are stored.
+  kernel and the seed take them; the codes are converted to 16-byte rows before they are stored;
+* the L2 prefetch of the pair ``AHEAD`` places later is the ``tl`` kernel's (kernel._prefetch).
 
 No scratch words in global memory. Gluon does not run under Triton's interpreter: this is for the GPU only; the
 ``tl`` kernel stays the portable and CPU path. ``flush_pool(pool, idx)`` has kernel.flush_pool's form, so that
 triton_sweep.py takes it as a variant: ``python bench/experiments/triton_sweep.py -:-:list
--:-:file:bench/experiments/gluon_flush.py``.
+-:-:file:bench/experiments/gluon_flush.py``; ``python bench/experiments/gluon_flush.py variants DIR`` writes the
+other builds measured (``VARIANTS``).
 """
 
 from __future__ import annotations
