@@ -91,15 +91,23 @@ mov.u32 $0, 0;
 
 
 @triton.jit
+def _listed_pair(work, p, HV, live):
+    """(slot, head, slot HV + head) of the due pair ``work[1 + p]`` of the list schedule (where ``live``; else pair
+    0), the slot and row as int64. The entry is an int32 (slot HV + head < N HV): a 32-bit division, not a 64-bit
+    one."""
+    i_sh = tl.load(work + 1 + p, mask=live, other=0)
+    i_s = i_sh // HV
+    i_h = i_sh - i_s * HV
+    return i_s.to(tl.int64), i_h, i_sh.to(tl.int64)
+
+
+@triton.jit
 def _prefetch(work, n_due, q, codes, kbuf, ubuf, w, gbuf, HV, SS, K: tl.constexpr, V: tl.constexpr,
               L: tl.constexpr, R: tl.constexpr, IS_KDA: tl.constexpr):
     """The inputs of the due pair ``work[1 + q]`` (if q < n_due) prefetched into L2: the program that takes it starts
     about one round of programs later, and its loads then hit L2."""
     live = q < n_due
-    i_sh = tl.load(work + 1 + q, mask=live, other=0)
-    i_s = i_sh // HV
-    i_h = i_sh - i_s * HV
-    i_s, i_sh = i_s.to(tl.int64), i_sh.to(tl.int64)
+    i_s, i_h, i_sh = _listed_pair(work, q, HV, live)
     a_reg = (codes + (i_s * SS + i_h * (V * K)) * 4).to(tl.int64, bitcast=True)
     a_k = (kbuf + i_sh * (L * K)).to(tl.int64, bitcast=True)
     a_u = (ubuf + i_sh * (L * V)).to(tl.int64, bitcast=True)
@@ -474,10 +482,7 @@ def leapquant_flush_kernel(
             return
         if AHEAD > 0:
             _prefetch(work, n_due, pid + AHEAD, codes, kbuf, ubuf, w, gbuf, HV, SS, K, V, L, R, IS_KDA)
-        i_sh = tl.load(work + 1 + pid)  # int32 (slot HV + head < N HV): a 32-bit division, not a 64-bit one
-        i_s = i_sh // HV
-        i_h = i_sh - i_s * HV
-        i_s, i_sh = i_s.to(tl.int64), i_sh.to(tl.int64)
+        i_s, i_h, i_sh = _listed_pair(work, pid, HV, True)
         o_scr = pid.to(tl.int64) * SCR
     else:
         i_n, i_h = tl.program_id(0), tl.program_id(1)
