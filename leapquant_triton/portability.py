@@ -104,16 +104,26 @@ def mma_family(ptx: str) -> str:
     return "+".join(found) or "none"
 
 
+def _ptxas(arch: int) -> str:
+    """The ptxas Triton compiles ``sm_<arch>`` with: from Triton 3.6 it is chosen per architecture (a separate one for
+    sm_100 and later), in 3.5 one serves all."""
+    import inspect
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return (get_ptxas(arch) if inspect.signature(get_ptxas).parameters else get_ptxas()).path
+
+
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
     """(registers, spill bytes stores + loads, static shared bytes) from ``ptxas -v`` on Triton's PTX."""
-    from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
+    from triton.backends.nvidia.compiler import sm_arch_from_capability
 
     gpu = sm_arch_from_capability(arch)
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        res = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name={gpu}", src, "-o", os.path.join(tmp, "k.o")],
+        res = subprocess.run([_ptxas(arch), "-v", f"--gpu-name={gpu}", src, "-o", os.path.join(tmp, "k.o")],
                              capture_output=True, text=True, check=True)
     log = res.stderr
     regs = int(re.search(r"Used (\d+) registers", log).group(1))
