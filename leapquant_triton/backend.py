@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +20,20 @@ if TYPE_CHECKING:
 # Blackwell's tcgen05 path crashes Triton 3.6's TritonNvidiaGPUOptimizeTMemLayoutsPass). Not claimed: sm_75 (no bf16
 # tensor cores for the ring and column-sum products: Triton falls back to FMA dots and spills 1-24 KB).
 SUPPORTED_CAPABILITIES = (80, 86, 89, 90, 100, 120)
+# The oldest Triton release the kernel is built and checked with (pyproject's ``triton`` extra; CI runs the Triton
+# tests on it and on the newest). Triton 3.4, which torch 2.8 pins, fails both: its griddepcontrol helpers, which the
+# list schedule takes on sm_90 and later, do not compile, and ring 32 with ITERS 2 spills 2.1-2.9 KB on every claimed
+# target (bench/NOTES.md, session 14). An engine whose torch pins an older Triton gets this reason from
+# ``leapquant.backends()`` and ``auto`` passes the backend over, rather than a compile error at its first large flush.
+MIN_TRITON = (3, 5)
+
+
+def triton_release(version: str) -> tuple[int, int]:
+    """(major, minor) of a Triton version string such as ``"3.5.1"`` or ``"3.6.0+git1a2b3c4"``."""
+    m = re.match(r"(\d+)\.(\d+)", version)
+    if m is None:
+        raise ValueError(f"not a Triton version: {version!r}")
+    return int(m[1]), int(m[2])
 
 
 def _interpreting() -> bool:
@@ -58,9 +73,13 @@ class TritonBackend(Backend):
 
     def available(self) -> tuple[bool, str]:
         try:
-            import triton  # noqa: F401
+            import triton
         except ImportError as e:
             return False, f"triton is not installed ({e}); pip install 'leapquant[triton]'"
+        if triton_release(triton.__version__) < MIN_TRITON:
+            oldest = ".".join(map(str, MIN_TRITON))
+            return False, (f"triton {triton.__version__} is older than {oldest}, the oldest release this backend is "
+                           f"built and checked with; install triton>={oldest} with a torch that allows it")
         if torch.cuda.is_available() or _interpreting():
             return True, "ok"
         return False, "no CUDA device; on CPU the Triton backend runs only with TRITON_INTERPRET=1 set (tests)"

@@ -7,7 +7,7 @@ per eager call (bench/NOTES.md, session 9); the other quarter was the ``mma.sync
 
 A :class:`Launcher` calls ``fn[grid]`` (inside ``compile_context``) the first time it sees a key, keeps the
 ``CompiledKernel`` that call returns, and afterwards launches that kernel through ``CompiledKernel[grid](*args)``, the
-same launcher call that ``JITFunction.run`` ends with (unchanged in Triton 3.4-3.9). Its key is at least as fine as
+same launcher call that ``JITFunction.run`` ends with (unchanged in Triton 3.5-3.9). Its key is at least as fine as
 Triton's, so a cached kernel is only ever launched with arguments Triton would have given the same binary: the
 current CUDA device (Triton's caches are per device, and a kernel's handles belong to the device it was loaded on),
 each tensor's dtype and whether its address is a multiple of 16, every other argument by value, the options, and

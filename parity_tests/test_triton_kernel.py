@@ -290,6 +290,21 @@ def test_backend_reasons(monkeypatch):
     assert os.environ.get("TRITON_INTERPRET") or torch.cuda.is_available()
 
 
+def test_triton_older_than_the_checked_range_is_refused(monkeypatch):
+    """An engine's torch may pin a Triton older than the oldest this backend is checked with (torch 2.8: Triton 3.4,
+    whose build of the list schedule fails on sm_90): the backend is then unavailable, with the version in the reason,
+    rather than failing at its first large flush. Versions compare by (major, minor), a local suffix ignored."""
+    from leapquant_triton.backend import MIN_TRITON, triton_release
+
+    assert triton_release(triton.__version__) >= MIN_TRITON, "this run's Triton is below the declared range"
+    assert triton_release("3.6.0+git1a2b3c4") == (3, 6) and triton_release("3.10.0") > (3, 9)
+    monkeypatch.setattr(triton, "__version__", "3.4.0")
+    ok, why = TritonBackend().available()
+    assert not ok and "triton 3.4.0 is older than 3.5" in why, why
+    monkeypatch.setattr(triton, "__version__", "3.5.0")
+    assert TritonBackend().available()[0]
+
+
 def test_mma_sync_switch_is_scoped(monkeypatch):
     """The wgmma / tcgen05 switches are set while a launch compiles and put back as they were afterwards, also after
     an exception, so other Triton code in the engine's process keeps its own lowering."""
