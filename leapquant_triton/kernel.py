@@ -141,22 +141,23 @@ def _cholesky(p_y, p_g, V: tl.constexpr, R: tl.constexpr):
     l10, l20, l21, l30, l31, l32 = 1.0, 1.0, 1.0, 1.0, 1.0, 1.0
     i11, i22, i33 = 1.0, 1.0, 1.0
     g00 = tl.load(p_g)
-    i00 = 1.0 / tl.sqrt(tl.maximum(tl.maximum(g00, FLOOR * g00), TINY))
+    # (the tensor before the constexpr in each product: the interpreters of Triton 3.7 and 3.8 fail on FLOOR * g)
+    i00 = 1.0 / tl.sqrt(tl.maximum(tl.maximum(g00, g00 * FLOOR), TINY))
     if R > 1:
         l10 = tl.load(p_g + 4) * i00
         g11 = tl.load(p_g + 5)
-        i11 = 1.0 / tl.sqrt(tl.maximum(tl.maximum(g11 - l10 * l10, FLOOR * g11), TINY))
+        i11 = 1.0 / tl.sqrt(tl.maximum(tl.maximum(g11 - l10 * l10, g11 * FLOOR), TINY))
     if R > 2:
         l20 = tl.load(p_g + 8) * i00
         l21 = (tl.load(p_g + 9) - l20 * l10) * i11
         g22 = tl.load(p_g + 10)
-        i22 = 1.0 / tl.sqrt(tl.maximum(tl.maximum(g22 - (l20 * l20 + l21 * l21), FLOOR * g22), TINY))
+        i22 = 1.0 / tl.sqrt(tl.maximum(tl.maximum(g22 - (l20 * l20 + l21 * l21), g22 * FLOOR), TINY))
     if R > 3:
         l30 = tl.load(p_g + 12) * i00
         l31 = (tl.load(p_g + 13) - l30 * l10) * i11
         l32 = (tl.load(p_g + 14) - (l30 * l20 + l31 * l21)) * i22
         g33 = tl.load(p_g + 15)
-        i33 = 1.0 / tl.sqrt(tl.maximum(tl.maximum(g33 - (l30 * l30 + l31 * l31 + l32 * l32), FLOOR * g33), TINY))
+        i33 = 1.0 / tl.sqrt(tl.maximum(tl.maximum(g33 - (l30 * l30 + l31 * l31 + l32 * l32), g33 * FLOOR), TINY))
     return l10, l20, l21, l30, l31, l32, i00, i11, i22, i33
 
 
