@@ -21,10 +21,11 @@ if TYPE_CHECKING:
 # tensor cores for the ring and column-sum products: Triton falls back to FMA dots and spills 1-24 KB).
 SUPPORTED_CAPABILITIES = (80, 86, 89, 90, 100, 120)
 # The oldest Triton release the kernel is built and checked with (pyproject's ``triton`` extra; CI runs the Triton
-# tests on every release from it to the newest). Triton 3.4, which torch 2.8 pins, fails both: its griddepcontrol helpers, which the
-# list schedule takes on sm_90 and later, do not compile, and ring 32 with ITERS 2 spills 2.1-2.9 KB on every claimed
-# architecture (bench/NOTES.md, session 14). An engine whose torch pins an older Triton gets this reason from
-# ``leapquant.backends()`` and ``auto`` passes the backend over, rather than a compile error at its first large flush.
+# tests on every release from it to the newest). Triton 3.4, which torch 2.8 pins, fails the build: its
+# griddepcontrol helpers, which the list schedule takes on sm_90 and later, do not compile, and ring 32 with ITERS 2
+# spills 2.1-2.9 KB on every claimed architecture (bench/NOTES.md, session 14). An engine whose torch pins an older
+# Triton gets this reason from ``leapquant.backends()`` and ``auto`` passes the backend over, rather than a compile
+# error at its first large flush.
 MIN_TRITON = (3, 5)
 
 
