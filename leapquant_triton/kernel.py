@@ -464,7 +464,7 @@ def leapquant_flush_kernel(
     BF16_DOTS: tl.constexpr,  # False under the interpreter (its bf16 dot is wrong): the ring's pieces go as fp32
     LIST: tl.constexpr,  # the schedule: False = grid, True = list
     PDL: tl.constexpr,  # (list) launched as a programmatic dependent of due_list_kernel (sm_90 and later)
-    AHEAD: tl.constexpr = 0,  # (list, sm_90) L2 prefetch of the inputs of the pair AHEAD places later (0: none)
+    AHEAD: tl.constexpr,  # (list, sm_90) L2 prefetch of the inputs of the pair AHEAD places later (0: none)
 ):
     """The flush of one (slot, head) per program, found by either schedule (the module's docstring):
 
@@ -586,7 +586,7 @@ def prefetch_ahead(device: torch.device) -> int:
     (``cp.async.bulk.prefetch.L2``, sm_90 and later; 0 elsewhere and under the interpreter): two programs per SM, so
     2 x the SM count is the pair that starts about one round later, on whichever SM frees first. Measured on the H200
     (bench/NOTES.md, session 13): -3 to -4 % all due, -0.7 to -1.3 us at 1/16; four SMs' worth ahead gained less."""
-    if _interpreting() or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    if not _sm90_or_later(device):
         return 0
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -594,7 +594,13 @@ def prefetch_ahead(device: torch.device) -> int:
 def _pdl(device: torch.device) -> bool:
     """Whether the list schedule's kernels launch as programmatic dependents of the kernel before them (sm_90 and
     later, not under the interpreter): a kernel's programs then start while the one before it finishes, and wait for
-    it (``griddepcontrol.wait``) before reading what it wrote. The capability is a host-side property: no sync."""
+    it (``griddepcontrol.wait``) before reading what it wrote."""
+    return _sm90_or_later(device)
+
+
+def _sm90_or_later(device: torch.device) -> bool:
+    """Whether the kernels are compiled for ``device`` with sm_90's instructions (griddepcontrol, bulk L2 prefetch):
+    a CUDA device of capability 9.0 or later, not under the interpreter. A host-side property: no sync."""
     return not _interpreting() and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 

@@ -151,8 +151,9 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
     fn = leapquant_flush_kernel
     # as flush_pool launches it (griddepcontrol and the bulk L2 prefetch need sm_90; the prefetch distance, two
     # programs per SM of the GPU at hand, only moves a constant: the H200's is taken)
-    constexprs = dict(kernel_constants(geo, "vllm", shape.iters), LIST=kernel == "list",
-                      PDL=kernel == "list" and arch >= 90, AHEAD=264 if kernel == "list" and arch >= 90 else 0)
+    sm90_list = kernel == "list" and arch >= 90
+    constexprs = dict(kernel_constants(geo, "vllm", shape.iters), LIST=kernel == "list", PDL=sm90_list,
+                      AHEAD=264 if sm90_list else 0)
     signature = dict(_POINTERS, NS="i32", HV="i32", SS="i32", **{k: "constexpr" for k in constexprs})
     # every pointer of a pool is 16-byte aligned (torch allocations; the raw views start at multiples of 16 bytes)
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in _POINTERS}

@@ -26,11 +26,15 @@ from leapquant_triton.portability import MAX_SPILL_BYTES  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def _python(*args: str, unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """``python *args`` from the repository root, without ``TRITON_INTERPRET`` (and the variables in ``unset``)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", *unset)}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "leapquant_triton.portability", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return _python("-m", "leapquant_triton.portability", *args)
 
 
 def test_claimed_architectures_fit():
@@ -72,9 +76,7 @@ def test_list_build_prefetches_from_sm_90_only():
         "    r = p.compile_one(arch, p.SHAPES[0], kernel)\n"
         "    print('RESULT', arch, kernel, r.ok, r.prefetches, r.error)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    res = _python("-c", code)
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     got = {(x.split()[1], x.split()[2]): x.split()[3:5] for x in res.stdout.splitlines() if x.startswith("RESULT")}
     assert got == {("90", "list"): ["True", "5"], ("100", "list"): ["True", "5"], ("80", "list"): ["True", "0"],
@@ -106,9 +108,7 @@ def test_check_fails_a_wgmma_build():
         "r = p.compile_one(90, p.SHAPES[0], 'grid')\n"
         "print('RESULT', r.ok, r.mma, r.error)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DISABLE_MMA_V3", "DISABLE_MMA_V5")}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    res = _python("-c", code, unset=("DISABLE_MMA_V3", "DISABLE_MMA_V5"))
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     line = [x for x in res.stdout.splitlines() if x.startswith("RESULT")][0]
     assert line.split()[1:3] == ["False", "wgmma"], line
