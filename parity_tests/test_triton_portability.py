@@ -112,3 +112,36 @@ def test_check_fails_a_wgmma_build():
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     line = [x for x in res.stdout.splitlines() if x.startswith("RESULT")][0]
     assert line.split()[1:3] == ["False", "wgmma"], line
+
+
+def _ci_releases():
+    """``.ci/triton_releases.py``, the enumeration of the ``triton`` extra that CI's release loop runs on."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("triton_releases", os.path.join(ROOT, ".ci", "triton_releases.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ci_checks_the_declared_triton_range(tmp_path):
+    """CI tests every release the ``triton`` extra allows, as .ci/triton_releases.py reads them from pyproject.toml:
+    the oldest must be the backend's MIN_TRITON (else CI would test a release the backend refuses, or skip one it
+    takes), the running Triton must be one of them, and a range it cannot enumerate fails instead of testing none."""
+    from leapquant_triton.backend import MIN_TRITON, triton_release
+
+    import triton
+
+    releases = _ci_releases().allowed_releases()
+    assert releases[0] == MIN_TRITON, (releases, MIN_TRITON)
+    assert triton_release(triton.__version__) in releases, (triton.__version__, releases)
+    res = _python(os.path.join(".ci", "triton_releases.py"), "--older")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [f"{a}.{b}" for a, b in releases[:-1]], res.stdout
+
+    pyproject = tmp_path / "pyproject.toml"
+    pyproject.write_text('[project.optional-dependencies]\ntriton = ["triton>=3.5"]\n')
+    with pytest.raises(SystemExit, match="expected the form"):
+        _ci_releases().allowed_releases(pyproject)
+    pyproject.write_text('[project.optional-dependencies]\ntriton = ["triton>=3.5,<3.7"]\n')
+    assert _ci_releases().allowed_releases(pyproject) == [(3, 5), (3, 6)]
