@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import pathlib
 import sys
-import tomllib
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the test extra installs tomli, the same parser before it joined the stdlib
+    import tomli as tomllib
 
 from packaging.requirements import Requirement
 
