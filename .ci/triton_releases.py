@@ -19,19 +19,15 @@ except ModuleNotFoundError:  # Python 3.10: the test extra installs tomli, the s
     import tomli as tomllib
 
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 PYPROJECT = pathlib.Path(__file__).resolve().parent.parent / "pyproject.toml"
-
-
-def release(text: str) -> tuple[int, int]:
-    major, minor = (int(part) for part in text.split(".")[:2])
-    return major, minor
 
 
 def allowed_releases(pyproject: pathlib.Path = PYPROJECT) -> list[tuple[int, int]]:
     extras = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]
     (requirement,) = (Requirement(r) for r in extras["triton"])
-    bounds = {spec.operator: release(spec.version) for spec in requirement.specifier}
+    bounds = {spec.operator: Version(spec.version).release[:2] for spec in requirement.specifier}
     if requirement.name != "triton" or set(bounds) != {">=", "<"} or len(requirement.specifier) != 2:
         raise SystemExit(f"cannot enumerate releases of {requirement}: expected the form triton>=A.B,<C.D")
     (low_major, low_minor), (high_major, high_minor) = bounds[">="], bounds["<"]

@@ -132,7 +132,8 @@ def test_ci_checks_the_declared_triton_range(tmp_path):
 
     import triton
 
-    releases = _ci_releases().allowed_releases()
+    script = _ci_releases()
+    releases = script.allowed_releases()
     assert releases[0] == MIN_TRITON, (releases, MIN_TRITON)
     assert triton_release(triton.__version__) in releases, (triton.__version__, releases)
     res = _python(os.path.join(".ci", "triton_releases.py"), "--older")
@@ -142,6 +143,6 @@ def test_ci_checks_the_declared_triton_range(tmp_path):
     pyproject = tmp_path / "pyproject.toml"
     pyproject.write_text('[project.optional-dependencies]\ntriton = ["triton>=3.5"]\n')
     with pytest.raises(SystemExit, match="expected the form"):
-        _ci_releases().allowed_releases(pyproject)
+        script.allowed_releases(pyproject)
     pyproject.write_text('[project.optional-dependencies]\ntriton = ["triton>=3.5,<3.7"]\n')
-    assert _ci_releases().allowed_releases(pyproject) == [(3, 5), (3, 6)]
+    assert script.allowed_releases(pyproject) == [(3, 5), (3, 6)]
