@@ -98,8 +98,8 @@ def check_idx_layout(pool: "Pool", idx) -> None:
     """``idx`` is an int32 ``[N]`` contiguous tensor on the pool's device: its metadata only, no synchronisation.
 
     ``flush`` runs this even with ``check=False``: the kernels read ``idx`` as consecutive words, so a strided view
-    names other slots than the caller's and flushes them without any error (bench/experiments/strided_idx.py: the
-    view [3, 7] of [3, 5, 7, 2] flushes slots 3 and 5); and the contract is int32 for every backend.
+    names other slots than the caller's and flushes them without any error (the view [3, 7] of [3, 5, 7, 2] would
+    flush slots 3 and 5); and the contract is int32 for every backend.
     """
     if not isinstance(idx, torch.Tensor):
         raise TypeError(f"idx must be a torch.Tensor of int32, got {type(idx).__name__}")

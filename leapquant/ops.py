@@ -2,13 +2,11 @@
 
 Under ``torch.compile``, ``flush`` goes through the custom op ``leapquant::flush``, which declares the pool tensors it
 mutates and has a fake implementation, so the compiled graph holds one opaque op. In eager code (and under CUDA-graph
-capture) it calls the backend directly: the custom op's Python dispatch of a mutating op costs 70-160 us of host time
-per call on its own on the H200 machine (bench/results/host_overhead_h200.md), more than the flush takes on the GPU
-when few programs are due.
+capture) it calls the backend directly: the custom op's Python dispatch of a mutating op costs more host time than a
+sparse flush takes on the GPU (bench/results/host_overhead_h200.md).
 
 Either way the backend runs with the pool's GPU as the current device: Triton launches on the current device (with a
-pool on another GPU it refuses the pointers), and some torch ops of the reference fault there (measured on two H200s:
-parity_tests/gpu_runs/2026-11-30_s9_unguarded_second_gpu.log).
+pool on another GPU it refuses the pointers), and some torch ops of the reference fault there.
 """
 
 from __future__ import annotations

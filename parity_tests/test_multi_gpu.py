@@ -2,7 +2,7 @@
 
 An engine process that holds pools on several GPUs (or a test harness) need not make each one current before it
 flushes: ``leapquant.flush`` and the custom op make the pool's GPU current around the backend's launches. Without that,
-Triton refuses the launch and the reference backend's torch code faults (bench/experiments/unguarded_second_gpu.py).
+Triton refuses the launch and the reference backend's torch code faults with an illegal memory access.
 Each case flushes the pool with ``cuda:0`` current, and a twin with ``cuda:1`` current, and compares them bit for bit.
 """
 
