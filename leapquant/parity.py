@@ -1,13 +1,15 @@
-"""SPEC §4 measured: a backend's flush against the fp32 reference and the float64 model, on the same inputs.
+"""The one judge of docs/SPEC.md §4: a backend's flush against the fp32 reference and the float64 model.
 
 ``measure(pool, idx, backend)`` runs one flush in place and returns, per due program, the reconstruction errors of
-the backend, the fp32 reference and the float64 model against the float64 rebuilt state, and how the codes differ
-from the reference's. The tests, the demo and the GPU suite all judge by :class:`Parity`.
+the backend, the fp32 reference and the float64 model against the float64 rebuilt state, how the codes differ
+from the reference's, and what the flush wrote outside the due programs (:func:`untouched_failures`). The tests,
+the demo, the benchmark and the GPU suite all judge by :class:`Parity` and :func:`untouched_failures`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 
@@ -36,6 +38,7 @@ class Parity:
     code_diff_frac: float  # fraction of codes that differ from the reference's
     code_diff_max: int  # largest |difference| of a code
     finite: bool  # the backend's outputs are finite wherever the reference's are
+    untouched: list[str] = field(default_factory=list)  # what the flush wrote outside its due programs
 
     @property
     def count(self) -> int:
@@ -72,8 +75,15 @@ class Parity:
     def reference_ok(self) -> bool:
         return bool((self.err_ref <= REF_VS_F64 * self.err_f64 + ABS_SLACK).all())
 
+    def ok(self) -> bool:
+        """Every criterion of SPEC §4: per program, batch RMS, finite, untouched bytes and resets."""
+        return self.backend_ok() and self.rms_ratio() <= BACKEND_RMS and not self.untouched
+
     def failures(self) -> list[str]:
-        out = []
+        out = list(self.untouched)
+        if self.rms_ratio() > BACKEND_RMS:
+            out.append(f"batch RMS ratio {self.rms_ratio():.6f} > {BACKEND_RMS} over {int(self.rms_counted.sum())} "
+                       "programs")
         if not self.finite:
             out.append("backend output not finite where the reference's is")
         bad = self.err_backend > BACKEND_PER_PROGRAM * self.err_ref + ABS_SLACK
@@ -114,15 +124,77 @@ class Parity:
             sum(p.code_diff_frac * p.count for p in parts) / max(cnt, 1),
             max([p.code_diff_max for p in parts], default=0),
             all(p.finite for p in parts),
+            [f for p in parts for f in p.untouched],
         )
 
 
-def measure(pool: Pool, idx: torch.Tensor, backend: str, check: bool = True) -> Parity:
-    """Flush ``pool`` in place with ``backend`` and judge every due program against the reference (SPEC §4)."""
+POOL_TENSORS = ("raw", "kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt")
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    # bitwise: raw holds int8 codes and fp16 factors, whose bits read as fp32 include NaNs (NaN != NaN)
+    return t.detach().contiguous().view(torch.uint8).cpu()
+
+
+def snapshot(pool: Pool) -> dict[str, torch.Tensor]:
+    """A copy of the bytes of every pool tensor, on the CPU: what :func:`untouched_failures` compares against."""
+    # (.cpu() of a CPU tensor is the tensor itself: the copy must be explicit)
+    return {n: as_bytes(getattr(pool, n)).clone() for n in POOL_TENSORS if getattr(pool, n) is not None}
+
+
+def restore(pool: Pool, snap: dict[str, torch.Tensor]) -> None:
+    """Write a :func:`snapshot`'s bytes back into ``pool`` (or into another pool of the same geometry), in place."""
+    for n, b in snap.items():
+        getattr(pool, n).view(torch.uint8).view(-1).copy_(b.view(-1))
+
+
+def untouched_failures(pool: Pool, before: dict[str, torch.Tensor], slots: torch.Tensor,
+                       heads: torch.Tensor) -> list[str]:
+    """What a flush of the programs ``(slots[i], heads[i])`` did that SPEC §2 forbids, given the pool's
+    :func:`snapshot` from before it: any byte changed outside those programs' checkpoints and ring rows (bit for bit),
+    ``kbuf``, ``ubuf`` or ``hcnt`` changed at all, or a due program's ring not reset. Empty when all is well."""
+    slots, heads = slots.long().cpu(), heads.long().cpu()
+    out = []
+    may = pool.checkpoint_mask(slots, heads).cpu()
+    raw_b, raw_a = before["raw"].view(-1), as_bytes(pool.raw).view(-1)
+    n = int(((raw_b != raw_a) & ~may).sum())
+    if n:
+        out.append(f"raw: {n} bytes outside the due checkpoints changed")
+    for name in ("kbuf", "ubuf", "hcnt"):
+        if not torch.equal(before[name], as_bytes(getattr(pool, name))):
+            out.append(f"{name} changed")
+    rows = torch.zeros(pool.num_slots, pool.heads, dtype=torch.bool)
+    rows[slots, heads] = True
+    resets = {"w": 0.0, "pcum": 0.0 if pool.gate == "kda" else 1.0}
+    if pool.gbuf is not None:
+        resets["gbuf"] = 1.0
+    for name, value in resets.items():
+        t = getattr(pool, name).detach().cpu()
+        b = before[name].view(t.dtype).view(t.shape)
+        if not torch.equal(as_bytes(b[~rows]), as_bytes(t[~rows])):
+            out.append(f"{name} of a program that was not due changed")
+        if not bool((t[rows] == value).all()):
+            out.append(f"{name} of a due program not reset to {value}")
+    return out
+
+
+def measure(pool: Pool, idx: torch.Tensor, backend: str, check: bool = True,
+            flush_fn: Optional[Callable[[Pool, torch.Tensor], None]] = None) -> Parity:
+    """Flush ``pool`` in place with ``backend`` (or by calling ``flush_fn(pool, idx)``, for a backend's own entry
+    points) and judge every due program against the reference, and every other byte (SPEC §4)."""
     due = pool.due(idx)  # [N, HV]
     safe = torch.where(due.any(1), idx.long(), torch.zeros_like(idx, dtype=torch.long))
     before = {k: (v.clone() if v is not None else None) for k, v in pool.checkpoint(safe).items()}
-    flush(pool, idx, backend=backend, check=check)
+    whole = snapshot(pool)
+    ptr = pool.raw.data_ptr()
+    if flush_fn is None:
+        flush(pool, idx, backend=backend, check=check)
+    else:
+        flush_fn(pool, idx)
+    rows, heads = due.nonzero(as_tuple=True)
+    untouched = untouched_failures(pool, whole, idx.long()[rows.to(idx.device)], heads)
+    if pool.raw.data_ptr() != ptr:
+        untouched.append("the flush did not work in place")
     after = pool.checkpoint(safe)
     m = due.cpu()
     cpu = {k: (v[m.to(v.device)].cpu() if v is not None else None) for k, v in before.items()}
@@ -144,4 +216,5 @@ def measure(pool: Pool, idx: torch.Tensor, backend: str, check: bool = True) -> 
         float((diff > 0).float().mean()) if diff.numel() else 0.0,
         int(diff.max()) if diff.numel() else 0,
         finite,
+        untouched,
     )

@@ -165,6 +165,36 @@ def test_parity_criteria_per_program_and_batch():
     assert not p.backend_ok()
 
 
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_untouched_judge_sees_every_forbidden_write(gate):
+    """parity.untouched_failures, the one untouched-bytes check of every test: clean after a correct flush, and each
+    kind of forbidden write named (a raw byte outside the due checkpoints, a ring row of a program that was not due,
+    a due program's ring not reset, kbuf / hcnt touched)."""
+    pool = leapquant.Pool(4, 2, 64, 64, 8, 2, gate=gate)
+    fill(pool, [1, 2, 3], "gaussian", torch.Generator().manual_seed(3))
+    pool.hcnt[2, 1] = 3  # (2, 1) is not due
+    idx = torch.tensor([2, 1], dtype=torch.int32)
+    n, heads = pool.due(idx).nonzero(as_tuple=True)
+    slots = idx.long()[n]
+    before = parity.snapshot(pool)
+    leapquant.flush(pool, idx, backend="reference")
+    assert parity.untouched_failures(pool, before, slots, heads) == []
+    after = parity.snapshot(pool)
+
+    def judged(edit) -> list[str]:
+        parity.restore(pool, after)  # back to the correct flush's bytes
+        edit()
+        return parity.untouched_failures(pool, before, slots, heads)
+
+    region = pool.base + 2 * pool.geometry.slot_stride + 1 * pool.geometry.region_words  # (2, 1): not due
+    assert judged(lambda: pool.raw.view(torch.uint8)[4 * region + 5].add_(1)) == [
+        "raw: 1 bytes outside the due checkpoints changed"]
+    assert judged(lambda: pool.w[2, 1, 0].add_(1.0)) == ["w of a program that was not due changed"]
+    assert judged(lambda: pool.w[1, 0, 0].fill_(0.5)) == ["w of a due program not reset to 0.0"]
+    assert judged(lambda: pool.kbuf[3, 0, 0, 0].fill_(7.0)) == ["kbuf changed"]
+    assert judged(lambda: pool.hcnt[3, 1].fill_(0)) == ["hcnt changed"]
+
+
 def test_iters_two_is_no_worse_on_lowrank():
     gen = torch.Generator().manual_seed(5)
     S = torch.tensor(0)
