@@ -143,6 +143,7 @@ def register(backend: Backend) -> None:
     if not isinstance(backend, Backend) or not backend.name:
         raise TypeError("register() takes a named leapquant.Backend instance")
     _registry()[backend.name] = backend
+    _CHOSEN.clear()  # "auto" ranks the new backend too
 
 
 def get(name: str) -> Backend:
@@ -202,4 +203,18 @@ def resolve(name: str, pool: "Pool") -> Backend:
     ok, why = b.supports(pool)
     if not ok:
         raise BackendError(f"backend {name!r} cannot flush {pool!r}: {why}")
+    return b
+
+
+# (backend name, pool specialisation) -> backend, so that an eager call does not rank the backends again; what a
+# machine can run does not change within a process, but the registry can: register() clears it
+_CHOSEN: dict[tuple, Backend] = {}
+
+
+def resolve_cached(name: str, pool: "Pool") -> Backend:
+    """:func:`resolve`, remembered per backend name and pool specialisation until the next :func:`register`."""
+    key = (name, pool.geometry, pool.convention, pool.iters, str(pool.device))
+    b = _CHOSEN.get(key)
+    if b is None:
+        b = _CHOSEN[key] = resolve(name, pool)
     return b

@@ -15,23 +15,11 @@ from typing import Literal, Optional
 
 import torch
 
-from .backends import Backend, resolve
+from .backends import Backend, resolve_cached
 from .checks import check_idx, check_idx_layout, check_pool
 from .pool import Pool
 
 BackendName = Literal["auto", "reference", "triton", "tilelang"] | str
-
-
-# (backend name, pool specialisation) -> backend; what a machine can run does not change within a process
-_CHOSEN: dict[tuple, Backend] = {}
-
-
-def _resolve(name: str, pool: Pool) -> Backend:
-    key = (name, pool.geometry, pool.convention, pool.iters, str(pool.device))
-    b = _CHOSEN.get(key)
-    if b is None:
-        b = _CHOSEN[key] = resolve(name, pool)
-    return b
 
 
 def select(pool: Pool, backend: BackendName = "auto") -> Backend:
@@ -42,7 +30,7 @@ def select(pool: Pool, backend: BackendName = "auto") -> Backend:
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-    return _resolve(backend, pool)
+    return resolve_cached(backend, pool)
 
 
 def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: bool = True) -> None:

@@ -1,5 +1,6 @@
 """The core: pool layout, start matrix, step semantics, the reference against float64, the interface's errors."""
 
+import importlib
 import re
 import struct
 
@@ -344,6 +345,32 @@ def test_third_party_backend_registers():
     assert calls == [2]
 
 
+def test_backend_registered_after_a_flush_is_chosen_by_auto(monkeypatch):
+    """register() invalidates what "auto" remembered: a better backend registered after the first flush of a pool
+    shape is the one the next flush takes."""
+    backends = importlib.import_module("leapquant.backends")  # (leapquant.backends is also a function)
+    monkeypatch.setattr(backends, "_CHOSEN", dict(backends._CHOSEN))  # the process's choices come back afterwards
+    pool = _pool()
+    idx = torch.tensor([1, 2], dtype=torch.int32)
+    leapquant.flush(pool, idx)
+    assert leapquant.select(pool, "auto").name != "late-test"
+    calls = []
+
+    class Late(leapquant.Backend):
+        name = "late-test"
+        priority = 10**6
+        requirements = leapquant.Requirements(devices=("cpu",), head_dims=None, rings=None)
+
+        def flush(self, pool, idx):
+            calls.append(idx.numel())
+
+    monkeypatch.setitem(backends._registry(), "late-test", None)  # removed from the registry afterwards
+    leapquant.register(Late())
+    leapquant.flush(pool, idx)
+    assert calls == [2]
+    assert leapquant.select(pool, "auto").name == "late-test"
+
+
 def test_auto_skips_a_backend_marked_not_for_auto():
     class Eager(leapquant.Backend):
         name = "not-for-auto-test"
@@ -402,7 +429,7 @@ def test_flush_interface_under_torch_compile(monkeypatch):
     when it runs: the entry points and device queries are not traced) and flushes as in eager mode."""
     import copy
 
-    from leapquant import ops
+    backends = importlib.import_module("leapquant.backends")
 
     pool = leapquant.Pool(4, 2)
     fill(pool, [1, 2, 3], "gaussian", torch.Generator().manual_seed(4))
@@ -411,7 +438,7 @@ def test_flush_interface_under_torch_compile(monkeypatch):
     assert bool(pool.due(idx).any()), "the case must have due programs"
     # no backend chosen yet for this pool (the registry is left warm: a fresh one would make the GPU suite's TileLang
     # tests that follow in this process compile their kernels again)
-    monkeypatch.setattr(ops, "_CHOSEN", {})
+    monkeypatch.setattr(backends, "_CHOSEN", {})
 
     @torch.compile(backend="eager", fullgraph=True)
     def step(idx):
