@@ -1,4 +1,4 @@
-"""The Triton backend: availability, what it supports, and the launch (the kernel is in :mod:`.kernel`)."""
+"""The Triton backend: availability and what it supports (the kernels: :mod:`.kernel`; their launch: :mod:`.host`)."""
 
 from __future__ import annotations
 
@@ -15,17 +15,12 @@ if TYPE_CHECKING:
     from leapquant.pool import Pool
 
 # Compute capabilities the kernel is claimed for; ``python -m leapquant_triton.portability`` compiles each one ahead
-# of time and fails CI if it does not fit that architecture's registers and shared memory. Every target takes the
-# ``mma.sync`` lowering of ``tl.dot`` (kernel.mma_sync_only: Hopper's wgmma path miscompiles this kernel, and
-# Blackwell's tcgen05 path crashes Triton 3.6's TritonNvidiaGPUOptimizeTMemLayoutsPass). Not claimed: sm_75 (no bf16
-# tensor cores for the ring and column-sum products: Triton falls back to FMA dots and spills 1-24 KB).
+# of time and fails CI if it does not fit. Every target takes the ``mma.sync`` lowering (host.mma_sync_only). Not
+# claimed: sm_75, which has no bf16 tensor cores for the ring and column-sum products.
 SUPPORTED_CAPABILITIES = (80, 86, 89, 90, 100, 120)
-# The oldest Triton release the kernel is built and checked with (pyproject's ``triton`` extra; CI runs the Triton
-# tests on every release from it to the newest). Triton 3.4, which torch 2.8 pins, fails the build: its
-# griddepcontrol helpers, which the list schedule takes on sm_90 and later, do not compile, and ring 32 with ITERS 2
-# spills 2.1-2.9 KB on every claimed architecture (bench/NOTES.md, session 14). An engine whose torch pins an older
-# Triton gets this reason from ``leapquant.backends()`` and ``auto`` passes the backend over, rather than a compile
-# error at its first large flush.
+# The oldest Triton release the kernel is built and checked with (pyproject's ``triton`` extra; CI tests every release
+# from it to the newest). On 3.4 the griddepcontrol helpers do not compile and ring 32 with ITERS 2 spills past the
+# limit; an older Triton makes ``available()`` say so, and ``auto`` passes the backend over rather than fail to compile.
 MIN_TRITON = (3, 5)
 
 
@@ -50,11 +45,9 @@ class TritonBackend(Backend):
     """
 
     name = "triton"
-    # above TileLang's: on the H200 (bench/results/flush_h200.md, KDA, 32 heads) it is faster with 1/16 of the heads
-    # due, a ring of 16 in steady state (41.5 against 56.6 us at 256 rows; and at every batch measured, up to 512
-    # rows), and whenever at most 2,048 programs are due; TileLang is faster only from 4,096 due programs (1-6 % in
-    # that run, 4-9 % in earlier ones). It also takes any head count and keeps SPEC §4's wider domain (max|S|
-    # 2^-40 .. 2^40; TileLang's fp16 state 2^-10 .. 2^14)
+    # above TileLang's: faster in the steady state (1/16 of the heads due) and whenever at most 2,048 programs are due
+    # (docs/DESIGN.md, "TileLang against Triton: where each wins"); it also takes any head count and keeps SPEC §4's
+    # wider domain
     priority = 20
     description = "Triton kernel, one program per (row, head); CUDA sm_80-120 (CPU under TRITON_INTERPRET=1)"
     requirements = Requirements(
@@ -66,11 +59,11 @@ class TritonBackend(Backend):
         ranks=SUPPORTED_RANKS,
         notes=(
             "sm_75 is not claimed: no bf16 tensor cores for the ring and column-sum products",
-            "CPU runs only through the Triton interpreter (TRITON_INTERPRET=1), for tests",
+            "CPU runs only through the Triton interpreter (TRITON_INTERPRET=1): correct, but slow",
         ),
     )
     max_iters = 2
-    not_for_auto = {"cpu": "the interpreter is for tests: hundreds of times slower than the reference"}
+    not_for_auto = {"cpu": "the interpreter checks the kernel; it is about 15x slower than the reference"}
 
     def available(self) -> tuple[bool, str]:
         try:
@@ -83,7 +76,8 @@ class TritonBackend(Backend):
                            f"built and checked with; install triton>={oldest} with a torch that allows it")
         if torch.cuda.is_available() or _interpreting():
             return True, "ok"
-        return False, "no CUDA device; on CPU the Triton backend runs only with TRITON_INTERPRET=1 set (tests)"
+        return False, ("no CUDA device; on a CPU the Triton backend runs through Triton's interpreter: set "
+                       "TRITON_INTERPRET=1 before importing triton (correct, but about 15x slower than the reference)")
 
     def supports(self, pool: "Pool") -> tuple[bool, str]:
         ok, why = self.available()
@@ -100,6 +94,6 @@ class TritonBackend(Backend):
         return self.requirements.check(pool)
 
     def flush(self, pool: "Pool", idx: torch.Tensor) -> None:
-        from .kernel import flush_pool
+        from .host import flush_pool
 
         flush_pool(pool, idx)

@@ -1,30 +1,14 @@
-"""Launches of a ``@triton.jit`` kernel that skip Triton's per-call argument binding once the kernel is compiled.
-
-``fn[grid](**args)`` (``JITFunction.run``) binds every argument, computes its specialisation (dtype and 16-byte
-alignment of each pointer; type, divisibility by 16 and ``== 1`` of each integer), hashes that with the options into
-its cache key and only then launches. On the H200 machine's host that was about half of the Triton backend's 71-80 us
-per eager call (bench/NOTES.md, session 9); the other quarter was the ``mma.sync`` switch set around every launch.
+"""Launches of a ``@triton.jit`` kernel that skip Triton's per-call argument binding once the kernel is compiled:
+on the host, binding and specialising the arguments cost about half of an eager flush (docs/DESIGN.md, "Triton:
+host-side launches").
 
 A :class:`Launcher` calls ``fn[grid]`` (inside ``compile_context``) the first time it sees a key, keeps the
-``CompiledKernel`` that call returns, and afterwards launches that kernel through ``CompiledKernel[grid](*args)``, the
-same launcher call that ``JITFunction.run`` ends with (unchanged in Triton 3.5-3.9). Its key is at least as fine as
-Triton's, so a cached kernel is only ever launched with arguments Triton would have given the same binary: the
-current CUDA device (Triton's caches are per device, and a kernel's handles belong to the device it was loaded on),
-each tensor's dtype and whether its address is a multiple of 16, every other argument by value, the options, and
-the Triton settings that enter compilation at launch time (``knobs.runtime.debug``, the instrumentation mode). No
-compile can happen on the direct path, so the switch that ``compile_context`` sets is not needed there.
-
-A direct launch passes each tensor as its address (an int), which Triton's launcher takes as it is. Given a tensor,
-that launcher calls its ``data_ptr`` from C and asks the driver whether the address can be reached from the current
-device (``cuPointerGetAttribute``), per pointer and per launch. The launcher here checks the same thing without the
-driver: every tensor must be on the current device (``Tensor.get_device``), else a ValueError names it; a launch on
-another GPU's memory would fault in the kernel instead of being refused.
-
-:meth:`Launcher.prepare` takes the arguments that stay the same from launch to launch (a pool's tensors and
-constants) once, and returns a :class:`Prepared` launch that looks only at the others per call: with 31 arguments
-the key is most of the host time of a launch (bench/NOTES.md, session 11).
-
-Under ``TRITON_INTERPRET=1`` every call goes through ``fn[grid]``.
+``CompiledKernel`` and afterwards calls ``CompiledKernel[grid](*args)``, as ``JITFunction.run`` ends (Triton
+3.5-3.9). Its key is at least as fine as Triton's (the current device, each tensor's dtype and 16-byte alignment, the
+other arguments by value, the options, the launch-time knobs), so a kept kernel only meets arguments Triton would give
+the same binary, and no compile can happen on the direct path. Tensors go as their addresses, checked to be on the
+current device (Triton's launcher would ask the driver per pointer). :meth:`Launcher.prepare` takes the arguments that
+stay the same from launch to launch once. Under ``TRITON_INTERPRET=1`` every call goes through ``fn[grid]``.
 """
 
 from __future__ import annotations

@@ -23,16 +23,14 @@ from dataclasses import dataclass
 from leapquant.pool import Geometry
 
 from .backend import SUPPORTED_CAPABILITIES
-from .kernel import (SCHEDULES, compile_options, kernel_constants, leapquant_flush_kernel, maxnreg_for,
-                     mma_sync_only, num_warps_for)
+from .host import SCHEDULES, compile_options, kernel_constants, maxnreg_for, mma_sync_only, num_warps_for
+from .kernel import leapquant_flush_kernel
 
 # shared memory per block (opt-in maximum), bytes, from the CUDA programming guide's table of compute capabilities
 SMEM_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
 MAX_REGS = 255
-# spills go to local memory (L1-resident at these sizes): a speed cost, reported, tolerated up to this much. The
-# 8-warp programs are capped at 128 registers (kernel.maxnreg_for: two programs per SM) and spill 0.2-0.55 KB at
-# ring 16, up to 1.9 KB at ring 32 with ITERS 2 (sm_80, sm_90); that build is faster on the H200 than the uncapped one
-# (bench/NOTES.md). The 4-warp programs (64 x 64) do not spill.
+# spills go to local memory (L1-resident at these sizes): a speed cost, tolerated up to this much, since the 8-warp
+# programs are capped at 128 registers for two programs per SM (host.maxnreg_for)
 MAX_SPILL_BYTES = 2048
 ARCHS = tuple(SMEM_LIMIT)
 
@@ -84,7 +82,7 @@ class Report:
     seconds: float = 0.0
     error: str = ""
     mma: str = ""  # the tensor-core instructions of the PTX (mma_family)
-    prefetches: int = 0  # bulk L2 prefetches in the PTX (the list build on sm_90 and later: kernel.prefetch_ahead)
+    prefetches: int = 0  # bulk L2 prefetches in the PTX (the list build on sm_90 and later: host.prefetch_ahead)
 
     def line(self) -> str:
         if self.error:
@@ -172,7 +170,7 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
     rep.mma = mma_family(ck.asm["ptx"])
     rep.prefetches = ck.asm["ptx"].count("cp.async.bulk.prefetch.L2")
     rep.seconds = time.time() - t0
-    # every claimed build must take the mma.sync lowering (kernel.mma_sync_only): a Triton release that stops
+    # every claimed build must take the mma.sync lowering (host.mma_sync_only): a Triton release that stops
     # honouring the switch would hand the H200 the wgmma build that miscompiles this kernel
     rep.ok = (regs <= MAX_REGS and spills <= MAX_SPILL_BYTES and rep.smem <= SMEM_LIMIT[arch]
               and rep.mma == "mma.sync")

@@ -173,9 +173,9 @@ def test_wrong_arguments_are_refused():
 
 def test_direct_by_default_only_for_a_compiled_jit_function():
     assert not Launcher(_JitFn()).direct
-    from leapquant_triton import kernel
+    from leapquant_triton import host, kernel
 
-    assert kernel._launch_flush.direct == isinstance(kernel.leapquant_flush_kernel,
+    assert host._launch_flush.direct == isinstance(kernel.leapquant_flush_kernel,
                                                      __import__("triton").runtime.jit.JITFunction)
 
 

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler")
 
 from leapquant_triton.backend import SUPPORTED_CAPABILITIES  # noqa: E402
-from leapquant_triton.kernel import SCHEDULES  # noqa: E402
+from leapquant_triton.host import SCHEDULES  # noqa: E402
 from leapquant_triton.portability import MAX_SPILL_BYTES  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,7 +49,7 @@ def test_claimed_architectures_fit():
         assert m, line
         regs, spill, smem, limit = int(m[1]), int(m[2]), float(m[3]), int(m[4])
         assert 0 < regs <= 255 and spill <= MAX_SPILL_BYTES and 0 < smem <= limit, line
-        # the mma.sync lowering on every target, Hopper and Blackwell included (kernel.mma_sync_only)
+        # the mma.sync lowering on every target, Hopper and Blackwell included (host.mma_sync_only)
         assert m[5] == "mma.sync", line
 
 
@@ -69,7 +69,7 @@ def test_mma_family(ptx, family):
 
 def test_list_build_prefetches_from_sm_90_only():
     """The AOT check compiles the list build as an H200 launches it, with the L2 prefetch of the pair one round ahead
-    (kernel.prefetch_ahead: five bulk prefetches), and the sm_80 list build and the grid builds without it."""
+    (host.prefetch_ahead: five bulk prefetches), and the sm_80 list build and the grid builds without it."""
     code = (
         "import leapquant_triton.portability as p\n"
         "for arch, kernel in ((90, 'list'), (100, 'list'), (80, 'list'), (90, 'grid')):\n"

@@ -1,0 +1,215 @@
+"""The host side of the Triton flush: the build's options and constants, the schedules, and :func:`flush_pool`,
+which launches the kernels of :mod:`.kernel` from a plan prepared once per pool (docs/DESIGN.md, "Triton: schedules,
+PDL and the L2 prefetch" and "Triton: host-side launches")."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+
+import torch
+import triton
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .backend import _interpreting
+from .kernel import due_list_kernel, leapquant_flush_kernel
+from .launcher import Launcher
+
+
+def num_warps_for(head_k: int, head_v: int) -> int:
+    """Warps per program. The [V, K] fp32 state costs V K / (32 num_warps) registers per thread: 64 at 128 x 128
+    with 8 warps. 64 x 64 fits 4 warps (32 per thread); 128 x 64 at 4 warps spills, so it takes 8."""
+    return 4 if head_k * head_v <= 64 * 64 else 8
+
+
+def maxnreg_for(num_warps: int) -> int | None:
+    """Register cap per thread: at 8 warps, 128 registers let two programs share an SM, which is faster despite the
+    spills than one uncapped program (docs/DESIGN.md, "Triton: registers and occupancy"); 4 warps are uncapped."""
+    return 128 if num_warps == 8 else None
+
+
+# FMA contraction on, as every parity figure was measured: Triton 3.10 turns it off by default, and
+# TRITON_DEFAULT_FP_FUSION=0 in the caller's environment would too
+FP_FUSION = dict(enable_fp_fusion=True)
+
+
+def compile_options(num_warps: int, maxnreg: int | None) -> dict:
+    """The options of the flush kernel's build: what :func:`flush_pool` launches and the AOT check compiles."""
+    return dict(num_warps=num_warps, num_stages=1, **FP_FUSION, **({"maxnreg": maxnreg} if maxnreg else {}))
+
+
+def scratch_words(head_k: int, head_v: int, iters: int) -> int:
+    """fp32 words of scratch per program: Y / Q [V, 4] (then 1 / s_k), 2 ITERS Gram matrices (4 x 4), c (padded to
+    4 words), fp16(Q) [V, 4] and [K] for the KDA decay exp(pcum) (then the column sums of |E|)."""
+    return 6 * head_v + 32 * iters + 4 + head_k
+
+
+def kernel_constants(geometry, convention: str, iters: int) -> dict:
+    """The constexpr arguments of :func:`.kernel.leapquant_flush_kernel` for a pool (also what the AOT check
+    compiles), but the schedule's ``LIST``, ``PDL`` and ``AHEAD``, which :func:`flush_pool` adds."""
+    g = geometry
+    return dict(
+        FIRST=1 if convention == "vllm" else 0,
+        K=g.head_k,
+        V=g.head_v,
+        L=g.ring,
+        R=g.rank,
+        BL=max(16, g.ring),
+        BR=16,
+        ITERS=iters,
+        IS_KDA=g.gate == "kda",
+        SCR=scratch_words(g.head_k, g.head_v, iters),
+        BF16_DOTS=not _interpreting(),
+    )
+
+
+_MMA_ENV = ("DISABLE_MMA_V3", "DISABLE_MMA_V5")
+_mma_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def mma_sync_only():
+    """Compile with Triton's ``mma.sync`` lowering of ``tl.dot``, not Hopper's ``wgmma`` (which miscompiles this
+    kernel on sm_90) or Blackwell's ``tcgen05``: docs/DESIGN.md, "Triton: mma.sync, not wgmma".
+
+    Triton reads the switch from the environment while it compiles, and its in-process cache does not see it, so it
+    is set (under a lock, then restored) around every launch that may compile."""
+    with _mma_lock:
+        old = {k: os.environ.get(k) for k in _MMA_ENV}
+        os.environ.update({k: "1" for k in _MMA_ENV})
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+
+
+def prefetch_ahead(device: torch.device) -> int:
+    """How far ahead in the due list a program prefetches another pair's inputs into L2 (sm_90 and later; else 0):
+    with two programs per SM, 2 x the SM count is the pair that starts about one round later."""
+    if not _sm90_or_later(device):
+        return 0
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _pdl(device: torch.device) -> bool:
+    """Whether the list schedule's kernels launch as programmatic dependents of the kernel before them: their
+    programs then start while it finishes, and wait for it (``griddepcontrol.wait``) before reading what it wrote."""
+    return _sm90_or_later(device)
+
+
+def _sm90_or_later(device: torch.device) -> bool:
+    """Whether the kernels are compiled for ``device`` with sm_90's instructions (griddepcontrol, bulk L2 prefetch):
+    a CUDA device of capability 9.0 or later, not under the interpreter. A host-side property: no sync."""
+    return not _interpreting() and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+# every launch of the two kernels: compiled inside mma_sync_only, then launched directly (launcher.py)
+_launch_due_list = Launcher(due_list_kernel, mma_sync_only)
+_launch_flush = Launcher(leapquant_flush_kernel, mma_sync_only)
+
+
+# the two schedules of flush_pool (also the two builds the AOT check compiles: portability.check)
+SCHEDULES = ("grid", "list")
+
+
+def schedule_for(rows: int, heads: int) -> str:
+    """The schedule :func:`flush_pool` takes for ``rows`` x ``heads`` programs (the host knows ``N``, not how many are
+    due). In the grid a program that is not due still holds an SM slot; the list costs two more launches. From 2,048
+    programs the list's gain with 1/16 of the heads due (a ring of 16 in steady state) outweighs its loss all due."""
+    return "list" if rows * heads >= 2048 else "grid"
+
+
+class _Plan:
+    """What :func:`flush_pool` launches for one pool, ``N`` and build, but ``idx`` and the per-call buffers: the
+    static arguments prepared once (:meth:`.launcher.Launcher.prepare`), so that an eager flush looks at four of the
+    31. The tensors enter as addresses and dtypes, so a plan serves any pool over the same memory (:func:`_memory`),
+    such as the custom op's, made afresh per call; it holds them, so their memory cannot go to another pool."""
+
+    def __init__(self, pool, tensors: tuple, memory: list, N: int, schedule: str, nw: int, cap: int | None,
+                 device: torch.device):
+        g = pool.geometry
+        self.memory = memory
+        consts = kernel_constants(g, pool.convention, pool.iters)
+        self.scratch_words = N * g.heads * consts["SCR"]
+        pdl = schedule == "list" and _pdl(device)
+        ahead = prefetch_ahead(device) if schedule == "list" else 0
+        self.grid = (N * g.heads,) if schedule == "list" else (N, g.heads)
+        self.work_words = 1 + N * g.heads if schedule == "list" else 0
+        codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, hcnt = tensors
+        self.flush = _launch_flush.prepare(
+            dict(hcnt=hcnt, codes=codes, skv=skv, uq=uq, kbuf=kbuf, ubuf=ubuf, w=w, pcum=pcum,
+                 gbuf=gbuf if gbuf is not None else w,  # GDN never reads it
+                 q0=q0, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, **consts, LIST=schedule == "list", PDL=pdl,
+                 AHEAD=ahead),
+            dict(compile_options(nw, cap), launch_pdl=pdl))
+        self.due_list = None
+        if schedule == "list":
+            self.due_list = _launch_due_list.prepare(
+                dict(hcnt=hcnt, NS=g.num_slots, HV=g.heads, FIRST=consts["FIRST"], L=g.ring,
+                     HB=triton.next_power_of_2(g.heads), PDL=pdl),
+                dict(num_warps=1, **FP_FUSION, launch_pdl=pdl))
+
+
+def _pool_tensors(pool) -> tuple:
+    """The pool's tensors the kernels take (``gbuf`` None for GDN)."""
+    return (pool.codes, pool.s_kv, pool.uq, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.q0, pool.hcnt)
+
+
+def _memory(tensors: tuple) -> list:
+    """What the kernels see of the pool's tensors: (address, dtype) each."""
+    return [None if t is None else (t.data_ptr(), t.dtype) for t in tensors]
+
+
+# per pool memory (keyed weakly by the pool's raw tensor: the plans go with it):
+# {(geometry, convention, iters, N, schedule, warps, cap, device): _Plan}
+_PLANS = WeakIdKeyDictionary()
+
+
+def _plan(pool, N: int, schedule: str, nw: int, cap: int | None, device: torch.device) -> _Plan:
+    plans = _PLANS.get(pool.raw)
+    if plans is None:
+        plans = _PLANS[pool.raw] = {}
+    key = (pool.geometry, pool.convention, pool.iters, N, schedule, nw, cap, device)
+    tensors = _pool_tensors(pool)
+    memory = _memory(tensors)
+    plan = plans.get(key)
+    if plan is None or plan.memory != memory:
+        plan = plans[key] = _Plan(pool, tensors, memory, N, schedule, nw, cap, device)
+    return plan
+
+
+def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: int | None = None,
+               schedule: str | None = None) -> None:
+    """Launch the flush over ``idx`` (int32 ``[N]``) on ``pool`` in place, with no host synchronisation and the same
+    launches for the same pool and ``N``.
+
+    ``schedule="grid"``: one program per (row, head), grid ``(N, HV)``; a program that is not due returns after reading
+    ``idx`` and ``hcnt``. ``"list"``: :func:`.kernel.due_list_kernel` lists the due pairs first, and program p of the
+    flush takes pair p: the due programs are launched first, the others return after one load. The default is
+    :func:`schedule_for`; ``schedule``, ``num_warps`` and ``maxnreg`` override the tuned defaults (for experiments;
+    ``maxnreg=0`` lifts the cap)."""
+    g = pool.geometry
+    N = idx.numel()
+    if N == 0:
+        return
+    schedule = schedule or schedule_for(N, g.heads)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
+    nw = num_warps or num_warps_for(g.head_k, g.head_v)
+    cap = maxnreg if maxnreg is not None else maxnreg_for(nw)
+    plan = _plan(pool, N, schedule, nw, cap, idx.device)
+    # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch their own
+    # words
+    scratch = torch.empty(plan.scratch_words, dtype=torch.float32, device=idx.device)
+    if plan.due_list is None:
+        work = idx  # (not read by the grid schedule)
+    else:
+        work = torch.empty(plan.work_words, dtype=torch.int32, device=idx.device)
+        work[:1].zero_()
+        plan.due_list((N,), dict(idx=idx, work=work))
+    plan.flush(plan.grid, dict(idx=idx, work=work, scratch=scratch, scratch16=scratch.view(torch.float16)))
