@@ -4,6 +4,12 @@
     python -m bench --quick              # a few cases, a smoke test on a GPU
     python -m bench --cpu-smoke          # the whole path on the CPU: reference backend, tiny sizes, host clock
     python -m bench --backends triton,tilelang --out /tmp/res
+    python -m bench --baseline DIR       # also time the packages in DIR (another commit's), in the same run
+
+``--baseline DIR``: DIR holds another version's ``leapquant``, ``leapquant_triton`` and ``leapquant_tilelang``
+packages (``git archive REV leapquant leapquant_triton leapquant_tilelang | tar -x -C DIR``); every backend is then
+timed a second time with those packages first on the path, as ``<backend>@baseline``, right after its own worker,
+beside the same floor: a change's effect on speed measured in one run.
 
 Writes ``<out>/flush_<device>.json``, ``.md`` and ``.png`` (``<device>`` from the GPU's name, e.g. ``h200``).
 
@@ -40,11 +46,11 @@ def _order(backends: list[str]) -> list[str]:
     return sorted(backends, key=lambda b: (rank.get(b, 5), b))
 
 
-def _run_worker(name: str, argv: list[str], env: dict, deadline: float) -> dict:
+def _run_worker(name: str, argv: list[str], env: dict, deadline: float, cwd: str | None = None) -> dict:
     """Run one worker to completion or to ``deadline + GRACE_S``; stream its output, keep its stderr's tail."""
     tail: collections.deque[str] = collections.deque(maxlen=25)
     proc = subprocess.Popen([sys.executable, "-m", "bench", *argv], env=env, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, cwd=cwd)
 
     def pump():
         for line in proc.stderr:
@@ -154,7 +160,10 @@ def orchestrate(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     budget = args.budget if args.budget else BUDGET[mode]
     workers = ["step"] + backends
-    total_share = sum(SHARES.get(w, 40) for w in workers)
+    if args.baseline:
+        workers = ["step"] + [w for b in backends for w in (b, f"{b}@baseline")]
+        backends = [w for w in workers if w != "step"]
+    total_share = sum(SHARES.get(w.partition("@")[0], 40) for w in workers)
     t0 = time.time()
     print(f"bench: {mode} run on {device}, backends {backends}, {len(plan_.cases)} cases, budget {budget:.0f} s",
           flush=True)
@@ -169,12 +178,13 @@ def orchestrate(args) -> int:
     planned_end = t0
     known = _known_backends()
     for w in workers:
-        share = budget * SHARES.get(w, 40) / total_share
+        base, _, variant = w.partition("@")
+        share = budget * SHARES.get(base, 40) / total_share
         planned_end += share
         # time left over by earlier workers passes on; a worker that overran still gets a quarter of its share
         deadline = max(planned_end, time.time() + 0.25 * share)
         path = tmp / f"{w}.jsonl"
-        if w != "step" and w not in known:
+        if w != "step" and base not in known:
             records[w] = [{"kind": "case", "backend": w, "case": asdict(c), "status": "unavailable",
                            "reason": f"unknown backend {w!r}; known: {sorted(known)}"} for c in plan_.cases]
             print(f"--- {w}: unknown backend, known: {sorted(known)}", flush=True)
@@ -184,11 +194,18 @@ def orchestrate(args) -> int:
             env.pop("TRITON_INTERPRET", None)  # the backends refuse CUDA tensors under the interpreter
         elif w == "step":
             env["TRITON_INTERPRET"] = "1"  # the step kernel runs on the CPU only through Triton's interpreter
-        argv = ["--worker", "step" if w == "step" else "flush", "--backend", w, "--mode", mode, "--device", device,
+        cwd = None
+        if variant:
+            # run from DIR (`python -m` puts the working directory first on the path): the baseline's packages
+            # shadow this tree's, and `bench` itself still comes from this tree
+            cwd = str(Path(args.baseline).resolve())
+            here = str(Path(__file__).resolve().parent.parent)
+            env["PYTHONPATH"] = os.pathsep.join([cwd, here] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        argv = ["--worker", "step" if w == "step" else "flush", "--backend", base, "--mode", mode, "--device", device,
                 "--deadline", repr(deadline), "--results-file", str(path)]
         print(f"--- {w} (until +{deadline - t0:.0f} s)", flush=True)
         started = time.time()
-        status = _run_worker(w, argv, env, deadline)
+        status = _run_worker(w, argv, env, deadline, cwd)
         status["seconds"] = round(time.time() - started, 1)
         meta["workers"].append(status)
         rows = _read(path)
@@ -259,6 +276,8 @@ def main(argv=None) -> int:
                     help=f"seconds for all workers together (default {BUDGET['full']:.0f}, --quick "
                          f"{BUDGET['quick']:.0f})")
     ap.add_argument("--tag", default=None, help="file name tag instead of the device's name")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="also time each backend from the packages in DIR, as <backend>@baseline (see above)")
     # internal: one worker process
     ap.add_argument("--worker", choices=["step", "flush"], help=argparse.SUPPRESS)
     ap.add_argument("--backend", help=argparse.SUPPRESS)

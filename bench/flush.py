@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 import traceback
 import zlib
 from dataclasses import asdict, dataclass
@@ -171,7 +172,9 @@ def run_worker(backend: str, mode: str, device: torch.device, deadline: float, r
     plan_ = plan(mode)
     t_start = time.time()
     record(kind="env", backend=backend, **device_info(device),
-           triton=module_version("triton"), tilelang=module_version("tilelang"))
+           triton=module_version("triton"), tilelang=module_version("tilelang"),
+           package=str(Path(leapquant.__file__).resolve().parent.parent))  # which tree ran (see --baseline)
+    print(f"{backend}: leapquant from {Path(leapquant.__file__).resolve().parent}", flush=True)
     is_ref = backend == "reference"
     min_reps, max_reps = (3, 15) if is_ref else (10, 200)
     if device.type == "cpu":

@@ -10,9 +10,10 @@ launches more work than its host time covers. Paths:
 
 * ``flush``: ``leapquant.flush(pool, idx, backend=b, check=False)``, the hot path;
 * ``flush+check``: the same with ``check=True`` (reads ``idx`` on the host: a synchronisation per call);
-* ``op``: ``torch.ops.leapquant.flush(...)``, the custom op that ``torch.compile`` graphs hold; before session 9 the
-  eager ``flush`` called it too;
-* ``backend``: ``leapquant.get_backend(b).flush(pool, idx)``, the backend's own launches without the interface.
+* ``op``: ``torch.ops.leapquant.flush(...)``, the custom op that ``torch.compile`` graphs hold;
+* ``backend``: ``leapquant.get_backend(b).flush(pool, idx)``, the backend's own launches without the interface;
+* ``bound`` (Triton only): the same with every launch bound by Triton (``JITFunction.run``) instead of the direct
+  launches of ``leapquant_triton/launcher.py``: what that launcher saves.
 
 Writes ``<out>/host_overhead_<device>.json`` and ``.md`` with the device, CPU and library versions.
 """
@@ -33,7 +34,7 @@ from leapquant.ops import op_args
 
 from .timing import device_info, device_slug, module_version, nvidia_smi
 
-PATHS = ("flush", "flush+check", "op", "backend")
+PATHS = ("flush", "flush+check", "op", "backend", "bound")
 
 
 def _cpu_model() -> str:
@@ -57,12 +58,34 @@ def _idle_pool(device: torch.device, rows: int) -> tuple:
 def _calls(pool, idx, backend: str) -> dict:
     args = op_args(pool, idx, backend)
     b = leapquant.get_backend(backend)
-    return {
+    calls = {
         "flush": lambda: leapquant.flush(pool, idx, backend=backend, check=False),
         "flush+check": lambda: leapquant.flush(pool, idx, backend=backend, check=True),
         "op": lambda: torch.ops.leapquant.flush(*args),
         "backend": lambda: b.flush(pool, idx),
     }
+    if backend == "triton":
+        calls["bound"] = _bound(calls["backend"])
+    return calls
+
+
+def _bound(fn):
+    """``fn`` with the Triton backend's launches bound by Triton on every call (the launcher's direct path off)."""
+    from leapquant_triton import host
+
+    launchers = (host._launch_flush, host._launch_due_list)
+
+    def call():
+        saved = [la.direct for la in launchers]
+        for la in launchers:
+            la.direct = False
+        try:
+            fn()
+        finally:
+            for la, d in zip(launchers, saved):
+                la.direct = d
+
+    return call
 
 
 def _sync(device: torch.device) -> None:
@@ -99,7 +122,7 @@ def run(device: torch.device, backends: list[str], rows: int, calls: int, rounds
         results[name] = {"status": "ok", **{p: measure(fn, device, calls, rounds, warmup)
                                             for p, fn in _calls(pool, idx, name).items()}}
         r = results[name]
-        print(f"{name:>10}: " + "  ".join(f"{p} {r[p]['host_us']:.1f} us" for p in PATHS), flush=True)
+        print(f"{name:>10}: " + "  ".join(f"{p} {r[p]['host_us']:.1f} us" for p in PATHS if p in r), flush=True)
     smi = nvidia_smi() if device.type == "cuda" else {}
     return {
         "what": "host time per eager flush call, nothing due (leapquant.flush and the paths below it)",
@@ -132,20 +155,21 @@ def markdown(doc: dict) -> str:
         if r["status"] != "ok":
             lines.append(f"| {name} | " + " | ".join([r["reason"]] + [""] * (len(PATHS) - 1)) + " |")
             continue
-        lines.append(f"| {name} | " + " | ".join(f"{r[p]['host_us']:.1f} / {r[p]['wall_us']:.1f} us"
-                                                  for p in PATHS) + " |")
+        lines.append(f"| {name} | " + " | ".join(f"{r[p]['host_us']:.1f} / {r[p]['wall_us']:.1f} us" if p in r
+                                                  else "n/a" for p in PATHS) + " |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the pool lives (default: cuda if there is a GPU)")
     ap.add_argument("--backends", default=None, help="comma-separated; default: every backend available here")
-    ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--calls", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--rows", type=int, default=8, help="rows of idx (sequences of 32 heads), none due (default 8)")
+    ap.add_argument("--calls", type=int, default=200, help="back-to-back calls per round (default 200)")
+    ap.add_argument("--rounds", type=int, default=7, help="rounds; the median is reported (default 7)")
+    ap.add_argument("--warmup", type=int, default=30, help="untimed calls first (default 30)")
+    ap.add_argument("--out", default="bench/results", help="folder for host_overhead_<device>.json and .md")
     ap.add_argument("--profile", default=None, metavar="BACKEND",
                     help="also print where the host time of BACKEND's own launch goes (cProfile, top 25 by own time)")
     args = ap.parse_args(argv)

@@ -68,7 +68,10 @@ def test_host_overhead_smoke(tmp_path):
     ref = doc["results"]["reference"]
     assert ref["status"] == "ok"
     for path in host_overhead.PATHS:
+        if path == "bound":  # the Triton backend's launches without its launcher: not a path of the reference
+            assert path not in ref
+            continue
         assert ref[path]["wall_us"] >= ref[path]["host_us"] > 0 and ref[path]["calls"] == 2
     assert doc["results"]["nonesuch"] == {"status": "unavailable", "reason": "unknown backend"}
     md = (tmp_path / "host_overhead_cpu.md").read_text()
-    assert "| reference |" in md and "| nonesuch | unknown backend |" in md
+    assert "| reference |" in md and "| nonesuch | unknown backend |" in md and "| n/a |" in md

@@ -1,0 +1,127 @@
+"""Whether two versions of the GPU backends write the same bytes.
+
+    python -m bench.digest                     # one SHA-256 per (case, backend) of every pool tensor after a flush
+    python -m bench.digest --baseline DIR      # the same cases under DIR's packages too, compared case by case
+
+Each case is a seeded pool (both gates, the default and smaller shapes, ring 8 to 32, ITERS 1 and 2, both slot
+conventions, the grid and the list schedules of the Triton backend) with a seeded due pattern, flushed once in place
+with ``check=False``. ``--baseline DIR`` takes another version's ``leapquant``, ``leapquant_triton`` and
+``leapquant_tilelang`` packages, as ``python -m bench --baseline`` does, runs the same cases under them in a
+subprocess, and exits 1 if any case's bytes differ: a refactoring that claims "behaviour unchanged" shows it here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+# (gate, heads, K, V, ring, rank, iters, convention, rows, due fraction); 96 rows x 32 heads takes Triton's list
+# schedule, the others its grid schedule
+CASES = (
+    ("kda", 32, 128, 128, 16, 4, 1, "vllm", 8, 1.0),
+    ("gdn", 32, 128, 128, 16, 4, 1, "vllm", 8, 1.0),
+    ("kda", 32, 128, 128, 16, 4, 1, "vllm", 96, 0.25),
+    ("gdn", 32, 128, 128, 16, 4, 1, "sglang", 96, 0.25),
+    ("kda", 32, 128, 128, 16, 2, 2, "sglang", 8, 0.5),
+    ("kda", 4, 64, 64, 8, 2, 1, "vllm", 8, 1.0),
+    ("gdn", 4, 64, 128, 32, 3, 2, "vllm", 8, 1.0),
+    ("kda", 4, 128, 64, 32, 1, 1, "sglang", 8, 0.5),
+)
+
+
+def _case_pool(case: tuple, device: torch.device):
+    import leapquant
+    from leapquant.workloads import fill
+
+    gate, heads, K, V, ring, rank, iters, convention, rows, frac = case
+    gen = torch.Generator().manual_seed(1234)
+    first = 1 if convention == "vllm" else 0
+    pool = leapquant.Pool(first + rows + 2, heads, K, V, ring, rank, gate=gate, convention=convention,
+                          device=device, iters=iters)
+    slots = torch.randperm(rows + 2, generator=gen)[:rows] + first
+    fill(pool, slots, "gaussian", gen, due=torch.rand(rows, heads, generator=gen) < frac)
+    return pool, slots.to(torch.int32).to(device)
+
+
+def digests(device: torch.device) -> list[dict]:
+    """One record per (case, backend that supports it): the SHA-256 of all pool bytes after one flush."""
+    import leapquant
+
+    out = []
+    for case in CASES:
+        for backend in ("triton", "tilelang"):
+            pool, idx = _case_pool(case, device)
+            b = leapquant.get_backend(backend)
+            ok, why = b.available()
+            if ok:
+                ok, why = b.supports(pool)
+            rec = {"case": list(case), "backend": backend}
+            if not ok:
+                out.append(dict(rec, skipped=why))
+                continue
+            due = int(pool.due(idx).sum())
+            leapquant.flush(pool, idx, backend=backend, check=False)
+            h = hashlib.sha256()
+            for name in ("raw", "kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt"):
+                t = getattr(pool, name)
+                if t is not None:
+                    h.update(t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+            out.append(dict(rec, sha256=h.hexdigest(), due=due))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.digest", description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the pools live (default: cuda if there is a GPU)")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="another version's packages (see python -m bench --help); compare its bytes with these")
+    ap.add_argument("--json", action="store_true", help="print the records as JSON lines only")
+    args = ap.parse_args(argv)
+    import leapquant
+
+    mine = digests(torch.device(args.device))
+    if args.json:
+        for r in mine:
+            print(json.dumps(r))
+        return 0
+    print(f"leapquant from {Path(leapquant.__file__).resolve().parent}")
+    if not args.baseline:
+        for r in mine:
+            print(r["backend"], r["case"], r.get("sha256") or f"skipped: {r['skipped']}")
+        return 0
+    # run from DIR: `python -m` puts the working directory first on the path, so DIR's packages shadow these
+    cwd = str(Path(args.baseline).resolve())
+    here = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([cwd, here] + ([os.environ["PYTHONPATH"]]
+                                                                    if os.environ.get("PYTHONPATH") else [])))
+    res = subprocess.run([sys.executable, "-m", "bench.digest", "--json", "--device", args.device], cwd=cwd,
+                         env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        print(res.stderr[-3000:], file=sys.stderr)
+        return 2
+    # (TileLang logs its compiles on stdout: the records are the lines that are JSON objects)
+    records = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    theirs = {(json.dumps(r["case"]), r["backend"]): r for r in records}
+    same = differ = 0
+    for r in mine:
+        t = theirs.get((json.dumps(r["case"]), r["backend"]), {})
+        if "sha256" not in r or "sha256" not in t:
+            print(f"{r['backend']:<9} {r['case']}  not compared: {r.get('skipped') or t.get('skipped') or 'missing'}")
+            continue
+        eq = r["sha256"] == t["sha256"]
+        same, differ = same + eq, differ + (not eq)
+        print(f"{r['backend']:<9} {r['case']}  {'same bytes' if eq else 'DIFFERENT BYTES'}")
+    print(f"{same} cases with the same bytes, {differ} different (baseline: {cwd})")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
