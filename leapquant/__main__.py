@@ -107,7 +107,7 @@ def cmd_demo(args) -> int:
           "\nvs ref: that error over the fp32 reference's (SPEC §4 bound: 1.02 per program).")
     if device.type == "cpu" and best.name == "reference":
         print("No GPU here: the reference ran. `TRITON_INTERPRET=1 python -m leapquant demo --backend triton` runs "
-              "the Triton kernel in its interpreter (slow).")
+              "the Triton kernel in its interpreter on the CPU (correct, but about 15x slower than the reference).")
     return 0
 
 
@@ -122,13 +122,16 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="backends, devices and versions; why a backend is unavailable")
     d = sub.add_parser("demo", help="flush a pool of realistic KDA states with the best backend here")
-    d.add_argument("--slots", type=int, default=8)
-    d.add_argument("--heads", type=int, default=32)
-    d.add_argument("--gate", choices=["kda", "gdn"], default="kda")
-    d.add_argument("--backend", default="auto")
-    d.add_argument("--device", default=None)
-    d.add_argument("--repeat", type=int, default=5)
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--slots", type=int, default=8, help="sequences in the pool, all flushed at once (default 8)")
+    d.add_argument("--heads", type=int, default=32, help="value heads per sequence (default 32)")
+    d.add_argument("--gate", choices=["kda", "gdn"], default="kda",
+                   help="kda: per-channel decay (Kimi Delta Attention); gdn: scalar decay (Gated DeltaNet)")
+    d.add_argument("--backend", default="auto",
+                   help="auto (the fastest that supports the pool here), reference, triton or tilelang; on a CPU, "
+                        "triton needs TRITON_INTERPRET=1 in the environment")
+    d.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if there is a GPU, else cpu)")
+    d.add_argument("--repeat", type=int, default=5, help="timed flushes per backend; the median is printed")
+    d.add_argument("--seed", type=int, default=0, help="seed of the generated token streams")
     try:
         from .simulate import add_arguments
     except ImportError:

@@ -463,7 +463,8 @@ def plot(result: Result, path: Path) -> bool:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gate", choices=["kda", "gdn"], default="kda")
+    p.add_argument("--gate", choices=["kda", "gdn"], default="kda",
+                   help="kda: per-channel decay (Kimi Delta Attention); gdn: scalar decay (Gated DeltaNet)")
     p.add_argument("--tokens", type=int, default=2048, help="tokens per sequence (default 2048)")
     p.add_argument("--heads", type=int, default=4, help="heads per sequence (default 4)")
     p.add_argument("--seqs", type=int, default=2, help="sequences per stream kind (default 2)")
@@ -475,7 +476,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backends", default="all", help="comma list of backends to overlay leapquant-r4 with, or "
                    "'all' (every backend that can flush here; on a CPU-only machine that is the reference)")
     p.add_argument("--out", default="simulate_out", help="directory for simulate.json, simulate.png, simulate.md")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated token streams (default 0)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the tensors are small; on a "
                    "busy 2-core machine 2 threads made pool.append 20-200x slower)")
 

@@ -145,11 +145,12 @@ def regime_table(rows: int, heads: int) -> tuple[list[dict], bool]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_report"))
-    ap.add_argument("--profile", default="gpu")
-    ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--skip-pytest", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu_report"),
+                    help="folder for gpu_report.md / .json and the pytest log (default $OUT or gpu_report)")
+    ap.add_argument("--profile", default="gpu", help="hypothesis profile of the pytest part (conftest.py)")
+    ap.add_argument("--rows", type=int, default=8, help="rows of 32 heads per regime in the ratio table")
+    ap.add_argument("--skip-pytest", action="store_true", help="only the per-regime ratio table")
     ap.add_argument("-k", dest="keyword", default="", help="pytest -k expression (e.g. to leave out a backend's files)")
     ap.add_argument("--pytest-budget", type=float, default=240.0, help="seconds pytest may run; what finished counts")
     ap.add_argument("--workers", type=int, default=1, help="pytest processes (pytest-xdist, where installed)")

@@ -40,10 +40,10 @@ def measure(rows: int, heads: int, device: str, seed: int = 0):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", default="parity_tests/reference_report.md")
+    ap.add_argument("--rows", type=int, default=4, help="rows (sequences) per regime and gate (default 4)")
+    ap.add_argument("--heads", type=int, default=16, help="heads per row (default 16)")
+    ap.add_argument("--device", default="cpu", help="where the reference runs (default cpu)")
+    ap.add_argument("--out", default="parity_tests/reference_report.md", help="the markdown report to write")
     args = ap.parse_args(argv)
     t0 = time.time()
     rows = measure(args.rows, args.heads, args.device)
