@@ -12,7 +12,7 @@ from . import reference
 from .backends import Backend, BackendError, BackendInfo, Requirements, backends, register
 from .backends import get as get_backend
 from .constants import EPS, QMAX
-from .ops import flush, run, select
+from .ops import flush, run, select, step
 from .pool import Geometry, Pool, start_matrix
 
 __version__ = "0.1.0"
@@ -34,4 +34,5 @@ __all__ = [
     "run",
     "select",
     "start_matrix",
+    "step",
 ]

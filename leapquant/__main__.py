@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.metadata as md
 import platform
 import sys
@@ -13,8 +12,6 @@ import torch
 
 import leapquant
 
-from . import parity
-from .workloads import fill
 
 
 def _version(dist: str) -> str:
@@ -53,62 +50,78 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _time(fn, device: torch.device, repeat: int) -> float:
-    """Median seconds of ``fn`` (events on CUDA, a host clock on the CPU), after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+def _tokens(gate: str, B: int, H: int, HV: int, K: int, V: int, gen: torch.Generator) -> tuple:
+    """One token per sequence: unit keys, Gaussian queries and values, per-channel (KDA) or scalar (GDN) log decays
+    that forget over tens to hundreds of tokens, write strengths in (0, 1)."""
+    q = torch.randn(B, H, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(B, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, HV, V, generator=gen)
+    g = -0.05 * torch.rand(*((B, HV, K) if gate == "kda" else (B, HV)), generator=gen)
+    beta = torch.rand(B, HV, generator=gen)
+    return q, k, v, g, beta
+
+
+def _exact_step(S, gate, q, k, v, g, beta, scale):
+    """The gated delta rule in float64, V-first ``S [B, HV, V, K]``, in place; returns ``scale S q``."""
+    G = S.shape[1] // q.shape[1]
+    q, k = (t.double().repeat_interleave(G, 1) for t in (q, k))
+    v, g, beta = v.double(), g.double(), beta.double()
+    S.mul_(torch.exp(g)[:, :, None, :] if gate == "kda" else torch.exp(g)[:, :, None, None])
+    p = torch.einsum("nhvk,nhk->nhv", S, k)
+    S.add_(torch.einsum("nhv,nhk->nhvk", beta[..., None] * (v - p), k))
+    return scale * torch.einsum("nhvk,nhk->nhv", S, q)
+
+
+def _bar(done: int, total: int, width: int = 30) -> str:
+    filled = width * done // total
+    return "[" + "#" * filled + "." * (width - filled) + f"] {done}/{total}"
 
 
 def cmd_demo(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     for line in device_lines():
         print(line)
-    pool = leapquant.Pool(args.slots + 1, args.heads, gate=args.gate, device=device)
-    slots = torch.arange(1, args.slots + 1)
-    print(f"\nbuilding {args.slots} sequences x {args.heads} heads of {args.gate.upper()} state by decoding "
-          f"{3 * pool.ring} tokens each (pool.append; rings flushed by the reference)...", flush=True)
-    fill(pool, slots, "realistic", torch.Generator().manual_seed(args.seed))
-    idx = slots.to(torch.int32).to(device)
-    best = leapquant.select(pool, args.backend)
-    names = [best.name] + (["reference"] if best.name != "reference" else [])
-    print(f"backend: {best.name} ({'chosen by auto' if args.backend == 'auto' else 'asked for'}); "
-          f"{int(pool.due(idx).sum())} programs due\n")
-    print(f"{'backend':<10} {'programs':>8} {'rel. error':>11} {'vs ref mean':>12} {'vs ref worst':>13} "
-          f"{'codes differing':>16} {'time':>10}")
-    for name in names:
-        work = copy.deepcopy(pool)
-        p = parity.measure(work, idx, name)
-        s = p.summary()
-
-        def again():
-            work.hcnt.copy_(pool.hcnt)
-            leapquant.flush(work, idx, backend=name, check=False)
-
-        t = _time(again, device, args.repeat)
-        print(f"{name:<10} {s['programs']:>8} {s['err_ref_mean'] * s['ratio_mean']:>11.5f} {s['ratio_mean']:>12.5f} "
-              f"{s['ratio_worst']:>13.5f} {100 * s['code_diff_frac']:>14.3f} % {t * 1e3:>7.2f} ms")
-        if not p.backend_ok():
-            print(f"  FAILS SPEC §4: {p.failures()}")
-            return 1
-    print("\nrel. error: ||checkpoint - exact state|| / ||exact state|| after the flush (exact = float64 rebuild);"
-          "\nvs ref: that error over the fp32 reference's (SPEC §4 bound: 1.02 per program).")
+    B, HV, H = args.seqs, args.heads, args.key_heads or args.heads
+    pool = leapquant.Pool(B + 1, HV, gate=args.gate, device=device)  # slot 0: the null slot
+    K, V, L = pool.head_k, pool.head_v, pool.ring
+    idx = torch.arange(1, B + 1, dtype=torch.int32, device=device)
+    best = leapquant.ops.select_step(pool, args.backend)
+    print(f"\ndecoding {B} sequences x {HV} heads ({H} key heads) of {args.gate.upper()}, K = V = {K}, "
+          f"{args.tokens} tokens each with leapquant.step, backend {best.name} "
+          f"({'chosen by auto' if args.backend == 'auto' else 'asked for'}); a ring of {L} is flushed inside the "
+          f"step every {L} tokens. Beside it: the exact float64 recurrence of the same stream.", flush=True)
+    gen = torch.Generator().manual_seed(args.seed)
+    S = torch.zeros(B, HV, V, K, dtype=torch.float64)
+    scale = K ** -0.5
+    out = torch.empty(B, HV, V, device=device)
+    errs, seconds = [], 0.0
+    for t in range(args.tokens):
+        q, k, v, g, beta = _tokens(args.gate, B, H, HV, K, V, gen)
+        exact = _exact_step(S, args.gate, q, k, v, g, beta, scale)
+        dev_args = [x.to(device) for x in (q, k, v, g, beta)]
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        # check=True once (reads idx on the host); the hot path after it, as an engine runs it
+        leapquant.step(pool, idx, *dev_args, out=out, backend=best.name, check=t == 0)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds += time.perf_counter() - t0 if t else 0.0  # the first call compiles
+        errs.append(float((out.cpu().double() - exact).norm() / exact.norm()))
+        print(f"\r{_bar(t + 1, args.tokens)}  output error now {errs[-1]:.2e}", end="", flush=True)
+    print()
+    rate = B * (args.tokens - 1) / seconds if seconds > 0 else float("nan")
+    state_err = float((pool.states(idx.long()).cpu().double() - S).norm() / S.norm())
+    flushes = args.tokens // L
+    print(f"\n{rate:,.0f} tokens/s ({B} sequences; {1e3 * seconds / max(args.tokens - 1, 1):.2f} ms a step, "
+          f"{flushes} flush{'es' if flushes != 1 else ''} inside)")
+    print(f"output error against the exact recurrence: mean {sum(errs) / len(errs):.2e}, last {errs[-1]:.2e}, "
+          f"worst {max(errs):.2e}; state error at the end {state_err:.2e}")
+    print("(error = ||o - o_exact|| / ||o_exact|| over the batch; the bf16 ring and the int8 checkpoint, docs/SPEC.md)")
     if device.type == "cpu" and best.name == "reference":
         print("No GPU here: the reference ran. `TRITON_INTERPRET=1 python -m leapquant demo --backend triton` runs "
-              "the Triton kernel in its interpreter on the CPU (correct, but about 15x slower than the reference).")
-    return 0
+              "the Triton kernels in their interpreter on the CPU (correct, but slow).")
+    return 0 if max(errs) < 0.05 else 1
 
 
 def cmd_simulate(args) -> int:
@@ -121,17 +134,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m leapquant", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("info", help="backends, devices and versions; why a backend is unavailable")
-    d = sub.add_parser("demo", help="flush a pool of realistic KDA states with the best backend here")
-    d.add_argument("--slots", type=int, default=8, help="sequences in the pool, all flushed at once (default 8)")
+    d = sub.add_parser("demo", help="decode a batch token by token with leapquant.step, against the exact recurrence")
+    d.add_argument("--seqs", type=int, default=4, help="sequences decoded together (default 4)")
     d.add_argument("--heads", type=int, default=32, help="value heads per sequence (default 32)")
+    d.add_argument("--key-heads", type=int, default=None,
+                   help="query / key heads, dividing --heads (grouped value heads; default: as many as --heads)")
+    d.add_argument("--tokens", type=int, default=48, help="tokens per sequence (default 48: three flushes)")
     d.add_argument("--gate", choices=["kda", "gdn"], default="kda",
                    help="kda: per-channel decay (Kimi Delta Attention); gdn: scalar decay (Gated DeltaNet)")
     d.add_argument("--backend", default="auto",
-                   help="auto (the fastest that supports the pool here), reference, triton or tilelang; on a CPU, "
-                        "triton needs TRITON_INTERPRET=1 in the environment")
+                   help="auto (the fastest with a decode step that supports the pool here), reference or triton; on a "
+                        "CPU, triton needs TRITON_INTERPRET=1 in the environment")
     d.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if there is a GPU, else cpu)")
-    d.add_argument("--repeat", type=int, default=5, help="timed flushes per backend; the median is printed")
-    d.add_argument("--seed", type=int, default=0, help="seed of the generated token streams")
+    d.add_argument("--seed", type=int, default=0, help="seed of the generated token stream")
     try:
         from .simulate import add_arguments
     except ImportError:

@@ -103,6 +103,20 @@ class Backend:
         """
         raise NotImplementedError
 
+    def step(self, pool: "Pool", idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             g: torch.Tensor, beta: torch.Tensor, scale: float, use_qk_l2norm: bool, out: torch.Tensor) -> None:
+        """One decode token per row of ``idx`` in place (SPEC §6): full rings flushed first, then the token into the
+        ring and ``out[n] = scale S_t q`` (zero for rows that name no real slot). Called with validated arguments:
+        ``q``, ``k`` ``[N, H, K]``, ``v`` ``[N, HV, V]``, ``g`` ``[N, HV, K]`` (KDA) or ``[N, HV]``, ``beta``
+        ``[N, HV]``, ``out`` ``[N, HV, V]``, each with a unit last stride. Same rules as :meth:`flush` (no host sync,
+        graph-capturable). Backends without a decode step leave it out (:attr:`has_step`)."""
+        raise NotImplementedError
+
+    @property
+    def has_step(self) -> bool:
+        """Whether the backend implements :meth:`step`."""
+        return type(self).step is not Backend.step
+
     def __repr__(self) -> str:
         return f"<leapquant backend {self.name!r}>"
 
@@ -178,8 +192,8 @@ def backends() -> list[BackendInfo]:
     return sorted(rows, key=lambda r: -r.priority)
 
 
-def choose(pool: "Pool") -> Backend:
-    """``"auto"``: the highest-priority backend that supports ``pool``."""
+def choose(pool: "Pool", need_step: bool = False) -> Backend:
+    """``"auto"``: the highest-priority backend that supports ``pool`` (and has a decode step, if ``need_step``)."""
     reasons = []
     for info in backends():
         if not info.available:
@@ -187,6 +201,8 @@ def choose(pool: "Pool") -> Backend:
             continue
         b = get(info.name)
         ok, why = b.supports(pool)
+        if ok and need_step and not b.has_step:
+            ok, why = False, "no decode step"
         if ok and pool.device.type in b.not_for_auto:
             ok, why = False, f"not chosen by auto: {b.not_for_auto[pool.device.type]}"
         if ok:
@@ -195,14 +211,17 @@ def choose(pool: "Pool") -> Backend:
     raise BackendError("no backend supports this pool: " + "; ".join(reasons))
 
 
-def resolve(name: str, pool: "Pool") -> Backend:
-    """The backend to flush ``pool`` with: ``"auto"`` or a name; :class:`BackendError` saying why it cannot."""
+def resolve(name: str, pool: "Pool", need_step: bool = False) -> Backend:
+    """The backend to flush (``need_step``: to decode) ``pool`` with: ``"auto"`` or a name; :class:`BackendError`
+    saying why it cannot."""
     if name == "auto":
-        return choose(pool)
+        return choose(pool, need_step)
     b = get(name)
     ok, why = b.supports(pool)
+    if ok and need_step and not b.has_step:
+        ok, why = False, "it has no decode step"
     if not ok:
-        raise BackendError(f"backend {name!r} cannot flush {pool!r}: {why}")
+        raise BackendError(f"backend {name!r} cannot {'decode with' if need_step else 'flush'} {pool!r}: {why}")
     return b
 
 
@@ -211,10 +230,10 @@ def resolve(name: str, pool: "Pool") -> Backend:
 _CHOSEN: dict[tuple, Backend] = {}
 
 
-def resolve_cached(name: str, pool: "Pool") -> Backend:
+def resolve_cached(name: str, pool: "Pool", need_step: bool = False) -> Backend:
     """:func:`resolve`, remembered per backend name and pool specialisation until the next :func:`register`."""
-    key = (name, pool.geometry, pool.convention, pool.iters, str(pool.device))
+    key = (name, need_step, pool.geometry, pool.convention, pool.iters, str(pool.device))
     b = _CHOSEN.get(key)
     if b is None:
-        b = _CHOSEN[key] = resolve(name, pool)
+        b = _CHOSEN[key] = resolve(name, pool, need_step)
     return b

@@ -135,3 +135,50 @@ def check_idx(pool: "Pool", idx) -> None:
 def check_iters(iters) -> None:
     if not isinstance(iters, int) or isinstance(iters, bool) or not 1 <= iters <= 4:
         raise ValueError(f"iters must be an int in 1..4, got {iters!r}")
+
+
+STEP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def token_rows(t, name: str, dims: int, rows: int):
+    """``t`` as its ``[B, ...]`` form with ``dims`` dimensions, from that form or the engines' ``[B, 1, ...]`` and
+    ``[1, B, ...]`` forms: a view, never a copy. Metadata only (no synchronisation)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() == dims + 1:
+        if t.shape[1] == 1:
+            t = t[:, 0]
+        elif t.shape[0] == 1:
+            t = t[0]
+        else:
+            raise ValueError(f"{name} has {t.dim()} dimensions, so one of its first two must be 1 (one token per "
+                             f"row: [B, 1, ...] or [1, B, ...]), got {list(t.shape)}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions ([B, ...]) or {dims + 1} ([B, 1, ...] / [1, B, ...]), "
+                         f"got {list(t.shape)}")
+    if t.shape[0] != rows:
+        raise ValueError(f"{name} has {t.shape[0]} rows, idx has {rows}")
+    return t
+
+
+def check_step_inputs(pool: "Pool", q, k, v, g, beta, out) -> None:
+    """Shapes, dtypes, devices and unit last strides of ``step``'s token tensors (in their ``[B, ...]`` forms)."""
+    HV, K, V = pool.heads, pool.head_k, pool.head_v
+    H = q.shape[1] if q.dim() == 3 else -1
+    if q.dim() != 3 or q.shape[2] != K or H < 1 or HV % H:
+        raise ValueError(f"q must be [B, H, K] with K = {K} and H dividing HV = {HV}, got {list(q.shape)}")
+    want = {"k": (k, (q.shape[0], H, K)), "v": (v, (q.shape[0], HV, V)), "beta": (beta, (q.shape[0], HV)),
+            "g": (g, (q.shape[0], HV, K) if pool.gate == "kda" else (q.shape[0], HV))}
+    if out is not None:
+        want["out"] = (out, (q.shape[0], HV, V))
+    for name, (t, shape) in [("q", (q, tuple(q.shape)))] + list(want.items()):
+        if t.dtype not in STEP_DTYPES:
+            raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)} for this pool ({pool.gate}), got {list(t.shape)}")
+        if t.device != pool.device:
+            raise ValueError(f"{name} must be on the pool's device {pool.device}, got {t.device}")
+        if t.numel() and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride in its last dimension, got strides {t.stride()}")
+    if out is not None and out.dtype != q.dtype:
+        raise TypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")

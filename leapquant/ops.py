@@ -16,7 +16,7 @@ from typing import Literal, Optional
 import torch
 
 from .backends import Backend, resolve_cached
-from .checks import check_idx, check_idx_layout, check_pool
+from .checks import check_idx, check_idx_layout, check_pool, check_step_inputs, token_rows
 from .pool import Pool
 
 BackendName = Literal["auto", "reference", "triton", "tilelang"] | str
@@ -31,6 +31,13 @@ def select(pool: Pool, backend: BackendName = "auto") -> Backend:
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     return resolve_cached(backend, pool)
+
+
+def select_step(pool: Pool, backend: BackendName = "auto") -> Backend:
+    """The backend ``step(pool, ..., backend=backend)`` would use (``"auto"``: the fastest with a decode step)."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    return resolve_cached(backend, pool, need_step=True)
 
 
 def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: bool = True) -> None:
@@ -65,6 +72,60 @@ def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: b
     torch.ops.leapquant.flush(*op_args(pool, idx, backend))
 
 
+def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+         beta: torch.Tensor, *, scale: Optional[float] = None, use_qk_l2norm: bool = False,
+         out: Optional[torch.Tensor] = None, backend: BackendName = "auto", check: bool = True) -> torch.Tensor:
+    """One decode token per batch row, in place on the pool; returns the attention output (SPEC §6).
+
+    Per row n and value head hv: if the ring of ``(idx[n], hv)`` is full it is flushed first (as :func:`flush`);
+    then the token enters the ring (prediction ``p = S' k`` from the checkpoint and the ring, ``ubuf = bf16(v - p)``,
+    ``kbuf = bf16(k)``, ``w = beta``, the gates, the fill count advanced) and ``o = scale S_t q`` with ``S_t`` the
+    state after the token: FLA's ``fused_recurrent_kda`` / ``fused_recurrent_gated_delta_rule`` output, V-first.
+
+    Args:
+        pool: the slot pool; its checkpoints (when a ring was full), rings and fill counts change in place.
+        idx: int32 ``[B]``, the slot of each row; rows that name no real slot (padding) get ``o = 0`` and touch
+            nothing.
+        q, k: ``[B, H, K]``, ``H`` dividing the pool's ``HV`` (value head hv reads key head ``hv // (HV / H)``).
+        v: ``[B, HV, V]``. g: the log decay, ``[B, HV, K]`` (KDA) or ``[B, HV]`` (GDN). beta: ``[B, HV]``.
+            Every token tensor may also come as the engines' ``[B, 1, ...]`` or ``[1, B, ...]`` (taken as a view),
+            in float32, bfloat16 or float16, with a unit stride in its last dimension.
+        scale: multiplies the output; default ``K ** -0.5``.
+        use_qk_l2norm: normalise q and k first, ``x / sqrt(sum x^2 + 1e-6)`` (FLA's ``use_qk_l2norm_in_kernel``).
+        out: ``[B, HV, V]`` (or ``[B, 1, HV, V]``) in q's dtype to write ``o`` into; default a new tensor.
+        backend: ``"auto"`` (the fastest backend with a decode step that supports the pool), ``"reference"``,
+            ``"triton"``, or a registered backend's name.
+        check: as for :func:`flush` (with ``False``: metadata only, no host synchronisation, graph-capturable).
+
+    Returns:
+        ``o`` ``[B, HV, V]`` in q's dtype (``out``'s ``[B, HV, V]`` view when given), accumulated in fp32.
+
+    Raises:
+        TypeError, ValueError: a tensor of the wrong type, dtype, shape, device or stride (named); with
+            ``check=True`` also the pool's tensors, an ``idx`` value out of range or a slot named twice.
+        leapquant.BackendError: an unknown backend, or one that cannot decode this pool here.
+    """
+    if check:
+        check_pool(pool)
+        check_idx(pool, idx)
+    else:
+        check_idx_layout(pool, idx)
+    B = idx.numel()
+    q, k, v, beta = (token_rows(t, n, d, B) for t, n, d in ((q, "q", 3), (k, "k", 3), (v, "v", 3), (beta, "beta", 2)))
+    g = token_rows(g, "g", 3 if pool.gate == "kda" else 2, B)
+    o = None if out is None else token_rows(out, "out", 3, B)
+    check_step_inputs(pool, q, k, v, g, beta, o)
+    if o is None:
+        o = torch.empty(B, pool.heads, pool.head_v, dtype=q.dtype, device=pool.device)
+    scale = float(pool.head_k ** -0.5 if scale is None else scale)
+    if not torch.compiler.is_compiling():
+        _launch_step(select_step(pool, backend), pool, idx, q, k, v, g, beta, scale, bool(use_qk_l2norm), o)
+        return o
+    torch.ops.leapquant.step(*op_args(pool, idx, backend)[:-1], q, k, v, g, beta, o, scale, bool(use_qk_l2norm),
+                             backend)
+    return o
+
+
 def op_args(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto") -> tuple:
     """The arguments of ``torch.ops.leapquant.flush`` for ``flush(pool, idx, backend)``: the pool's tensors, ``idx``,
     its geometry and the backend's name."""
@@ -81,6 +142,15 @@ def _launch(b: Backend, pool: Pool, idx: torch.Tensor) -> None:
         return
     with torch.cuda.device(pool.device):
         b.flush(pool, idx)
+
+
+def _launch_step(b: Backend, pool: Pool, idx: torch.Tensor, *args) -> None:
+    """``b.step(pool, idx, *args)`` with the pool's GPU current, as :func:`_launch`."""
+    if pool.device.type != "cuda":
+        b.step(pool, idx, *args)
+        return
+    with torch.cuda.device(pool.device):
+        b.step(pool, idx, *args)
 
 
 @torch.library.custom_op(
@@ -117,6 +187,51 @@ def _flush_op(
 
 @_flush_op.register_fake
 def _flush_fake(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, idx, *args) -> None:
+    return None
+
+
+@torch.library.custom_op(
+    "leapquant::step", mutates_args=("raw", "kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt", "out"), device_types=None
+)
+def _step_op(
+    raw: torch.Tensor,
+    kbuf: torch.Tensor,
+    ubuf: torch.Tensor,
+    w: torch.Tensor,
+    pcum: torch.Tensor,
+    gbuf: Optional[torch.Tensor],
+    hcnt: torch.Tensor,
+    q0: torch.Tensor,
+    idx: torch.Tensor,
+    num_slots: int,
+    heads: int,
+    head_k: int,
+    head_v: int,
+    ring: int,
+    rank: int,
+    gate: str,
+    convention: str,
+    iters: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    backend: str,
+) -> None:
+    pool = Pool.from_tensors(
+        raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0,
+        num_slots=num_slots, heads=heads, head_k=head_k, head_v=head_v, ring=ring, rank=rank, gate=gate,
+        convention=convention, iters=iters,
+    )
+    _launch_step(select_step(pool, backend), pool, idx, q, k, v, g, beta, scale, use_qk_l2norm, out)
+
+
+@_step_op.register_fake
+def _step_fake(*args) -> None:
     return None
 
 

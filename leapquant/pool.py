@@ -252,7 +252,7 @@ class Pool:
             self.pcum[s] = 1.0
 
     def append(self, slots, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
-        """One token per slot into the ring (SPEC §6): what an engine's step kernel does, in plain torch.
+        """One token per slot into the ring (SPEC §6 steps 1-4): the decode step's ring update, in plain torch.
 
         Args:
             slots: ``[B]`` distinct slots.
@@ -260,10 +260,11 @@ class Pool:
             g: log-gates, ``[B, HV, K]`` for KDA (decay ``exp(g)`` per key channel) or ``[B, HV]`` for GDN (scalar
                 decay ``a = exp(g)``).
 
-        A slot whose ``hcnt == L`` is taken as flushed (its next entry is 0): flush due slots before appending.
+        A slot whose ``hcnt == L`` is taken as flushed (its next entry is 0): unlike :func:`leapquant.step`, this does
+        not flush, so flush due slots before appending.
         """
         s = self._slots(slots)
-        B, HV, K, V, L = s.numel(), self.heads, self.head_k, self.head_v, self.ring
+        B, HV, K, V = s.numel(), self.heads, self.head_k, self.head_v
         dev = self.device
         k = k.to(dev, torch.float32)
         v = v.to(dev, torch.float32)
@@ -274,28 +275,12 @@ class Pool:
         want_g = (B, HV, K) if self.gate == "kda" else (B, HV)
         if g.shape != want_g:
             raise ValueError(f"append: g must be {list(want_g)} for gate {self.gate!r}, got {list(g.shape)}")
-        j = self.hcnt[s].long()  # [B, HV]
-        j = torch.where(j >= L, torch.zeros_like(j), j)
-        entry = torch.nn.functional.one_hot(j, L).bool()  # [B, HV, L]
-        w = self.w[s]
-        if self.gate == "kda":
-            self.pcum[s] = self.pcum[s] + g
-            gb = self.gbuf[s]
-            gb = torch.where(entry[..., None], torch.exp(g)[:, :, None, :].to(torch.float16), gb)
-            self.gbuf[s] = gb
-        else:
-            a = torch.exp(g)  # [B, HV]
-            self.pcum[s] = self.pcum[s] * a[..., None]
-            older = torch.arange(L, device=dev)[None, None, :] < j[..., None]
-            w = torch.where(older, w * a[..., None], w)
-        w = torch.where(entry, torch.zeros_like(w), w)
-        self.w[s] = w
-        pred = reference.predict(**self.checkpoint(s), gate=self.gate, k=k)  # [B, HV, V]
-        upd = (v - pred).to(torch.bfloat16)
-        self.ubuf[s] = torch.where(entry[..., None], upd[:, :, None, :], self.ubuf[s])
-        self.kbuf[s] = torch.where(entry[..., None], k.to(torch.bfloat16)[:, :, None, :], self.kbuf[s])
-        self.w[s] = torch.where(entry, beta[..., None], w)
-        self.hcnt[s] = (j + 1).to(torch.int32)
+        c = self.checkpoint(s)
+        c["hcnt"] = self.hcnt[s]
+        # the decode step's ring update (its output is not needed here)
+        ring, _ = reference.step_rows(c, k, k, v, g, beta, gate=self.gate, scale=1.0)
+        for name, new in ring.items():
+            getattr(self, name)[s] = new
 
     def checkpoint_mask(self, slots: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """bool over ``raw``'s bytes, on the pool's device: True on the checkpoint bytes of the programs

@@ -150,6 +150,90 @@ def relative_error(rec, S):
     return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), num)
 
 
+def l2norm(x):
+    """``x / sqrt(sum x^2 + 1e-6)`` over the last dimension, as FLA's ``use_qk_l2norm_in_kernel``."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def step_rows(c: dict, q, k, v, g, beta, *, gate: str, scale: float, use_qk_l2norm: bool = False):
+    """One token into the rings of gathered rows (SPEC §6), after their full rings were flushed.
+
+    Args:
+        c: the rows' checkpoints and rings as :meth:`Pool.checkpoint` gives them (``[N, HV, ...]``) plus ``hcnt``
+            ``[N, HV]``; q, k: ``[N, HV, K]`` (key heads already repeated per value head); v: ``[N, HV, V]``;
+            g: ``[N, HV, K]`` (KDA) or ``[N, HV]`` (GDN) log decays; beta: ``[N, HV]``.
+
+    Returns:
+        ``(ring, o)``: the new ``kbuf``, ``ubuf``, ``w``, ``pcum``, ``gbuf`` (KDA) and ``hcnt`` of the rows, and
+        ``o = scale S_t q`` ``[N, HV, V]`` fp32, ``S_t`` the state after the token. Only the entries in use (before
+        the new one) are read: entries at or past ``hcnt`` contribute nothing, whatever they hold.
+    """
+    f32 = torch.float32
+    L = c["w"].shape[-1]
+    q, k, v, beta = q.to(f32), k.to(f32), v.to(f32), beta.to(f32)
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    j = c["hcnt"].long()
+    j = torch.where(j >= L, torch.zeros_like(j), j)  # a full ring was flushed: it restarts at entry 0
+    o_l = torch.arange(L, device=j.device)
+    older = o_l < j[..., None]  # [N, HV, L]: the entries in use
+    entry = o_l == j[..., None]  # the new one
+    w, pcum, gbuf = c["w"], c["pcum"], c["gbuf"]
+    if gate == "kda":
+        pcum = pcum + g.to(f32)
+        gbuf = torch.where(entry[..., None], torch.exp(g.to(f32))[..., None, :].to(torch.float16), gbuf)
+        # decays up to now: entries past the new one count as 1
+        g_use = torch.where((o_l > j[..., None])[..., None], torch.ones_like(gbuf), gbuf)
+    else:
+        a = torch.exp(g.to(f32))  # [N, HV]
+        pcum = pcum * a[..., None]
+        w = torch.where(older, w * a[..., None], w)
+        g_use = None
+    zero_l = torch.zeros_like(w)
+
+    def ring_in(mask, kb, ub, ww):  # only the entries of ``mask``: others may hold anything, NaN included
+        return dict(kbuf=torch.where(mask[..., None], kb, torch.zeros_like(kb)),
+                    ubuf=torch.where(mask[..., None], ub, torch.zeros_like(ub)),
+                    w=torch.where(mask, ww, zero_l))
+
+    ck = dict(codes=c["codes"], s_k=c["s_k"], s_v=c["s_v"], u=c["u"], q=c["q"], pcum=pcum, gbuf=g_use)
+    p = predict(**ck, **ring_in(older, c["kbuf"], c["ubuf"], w), gate=gate, k=k)  # S' k
+    ubuf = torch.where(entry[..., None], (v - p).to(torch.bfloat16)[..., None, :], c["ubuf"])
+    kbuf = torch.where(entry[..., None], k.to(torch.bfloat16)[..., None, :], c["kbuf"])
+    w = torch.where(entry, beta[..., None], w)
+    o = scale * predict(**ck, **ring_in(older | entry, kbuf, ubuf, w), gate=gate, k=q)  # S_t q
+    ring = dict(kbuf=kbuf, ubuf=ubuf, w=w, pcum=pcum, hcnt=(j + 1).to(torch.int32))
+    if gate == "kda":
+        ring["gbuf"] = gbuf
+    return ring, o
+
+
+def _rows(pool: "Pool", idx: torch.Tensor):
+    """For ``idx [N]``: which rows name a real slot, the slots with 0 for the others, and per slot the first row that
+    names it (``row [NS]``) and whether one does (``has [NS]``); no host synchronisation."""
+    NS, N = pool.num_slots, idx.numel()
+    idxl = idx.long()
+    real = (idxl >= pool.first_slot) & (idxl < NS)
+    safe = torch.where(real, idxl, torch.zeros_like(idxl))
+    # rows whose slot is not real point at a dummy entry past the end
+    target = torch.where(real, idxl, torch.full_like(idxl, NS))
+    row = torch.full((NS + 1,), N, dtype=torch.long, device=idx.device)
+    row.scatter_reduce_(0, target, torch.arange(N, device=idx.device), "amin")
+    row = row[:NS]
+    has = row < N
+    return real, safe, torch.where(has, row, torch.zeros_like(row)), has
+
+
+def _writer(mask: torch.Tensor, row: torch.Tensor):
+    """``put(dst, new_rows)``: ``dst [NS, HV, ...]`` takes ``new_rows[row]`` where ``mask [NS, HV]``, in place."""
+
+    def put(dst, new_rows):
+        m = mask.reshape(mask.shape + (1,) * (dst.dim() - 2))
+        dst.copy_(torch.where(m, new_rows[row].to(dst.dtype), dst))
+
+    return put
+
+
 class ReferenceBackend(Backend):
     """The fp32 reference as a backend: plain torch on any device, every shape. Slow; the definition of correct.
 
@@ -163,30 +247,14 @@ class ReferenceBackend(Backend):
     requirements = Requirements(devices=("cpu", "cuda"), head_dims=None, rings=None, ranks=None, heads=None)
 
     def flush(self, pool: "Pool", idx: torch.Tensor) -> None:
-        NS, N = pool.num_slots, idx.numel()
-        if N == 0:
+        if idx.numel() == 0:
             return
-        idxl = idx.long()
-        real = (idxl >= pool.first_slot) & (idxl < NS)
-        safe = torch.where(real, idxl, torch.zeros_like(idxl))
+        real, safe, row, has = _rows(pool, idx)
         due = real[:, None] & (pool.hcnt[safe] == pool.ring)  # [N, HV]
         c = pool._gather(safe)
         S = rebuild(**c, gate=pool.gate)
         codes, s_k, s_v, u, q = compress(S, pool.q0, pool.iters)
-        # slot -> the row of idx that names it (N: none); written without host sync, rows with a non-real slot
-        # point at a dummy entry past the end
-        target = torch.where(real, idxl, torch.full_like(idxl, NS))
-        row = torch.full((NS + 1,), N, dtype=torch.long, device=idx.device)
-        row.scatter_reduce_(0, target, torch.arange(N, device=idx.device), "amin")
-        row = row[:NS]
-        has = row < N
-        row = torch.where(has, row, torch.zeros_like(row))
-        mask = has[:, None] & due[row]  # [NS, HV]
-
-        def put(dst, new_rows):
-            m = mask.reshape(mask.shape + (1,) * (dst.dim() - 2))
-            dst.copy_(torch.where(m, new_rows[row].to(dst.dtype), dst))
-
+        put = _writer(has[:, None] & due[row], row)
         put(pool.codes, codes)
         put(pool.s_k, s_k)
         put(pool.s_v, s_v)
@@ -198,3 +266,19 @@ class ReferenceBackend(Backend):
             put(pool.gbuf, torch.ones_like(c["gbuf"]))
         else:
             put(pool.pcum, torch.ones_like(c["pcum"]))
+
+    def step(self, pool: "Pool", idx: torch.Tensor, q, k, v, g, beta, scale: float, use_qk_l2norm: bool,
+             out: torch.Tensor) -> None:
+        self.flush(pool, idx)
+        if idx.numel() == 0:
+            return
+        real, safe, row, has = _rows(pool, idx)
+        c = pool._gather(safe)
+        c["hcnt"] = pool.hcnt[safe]
+        G = pool.heads // q.shape[1]
+        ring, o = step_rows(c, q.repeat_interleave(G, 1), k.repeat_interleave(G, 1), v, g, beta, gate=pool.gate,
+                            scale=scale, use_qk_l2norm=use_qk_l2norm)
+        out.copy_(torch.where(real[:, None, None], o, torch.zeros_like(o)).to(out.dtype))
+        put = _writer(has[:, None].expand(-1, pool.heads), row)
+        for name, new_rows in ring.items():
+            put(getattr(pool, name), new_rows)
