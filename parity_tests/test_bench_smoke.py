@@ -75,3 +75,21 @@ def test_host_overhead_smoke(tmp_path):
     assert doc["results"]["nonesuch"] == {"status": "unavailable", "reason": "unknown backend"}
     md = (tmp_path / "host_overhead_cpu.md").read_text()
     assert "| reference |" in md and "| nonesuch | unknown backend |" in md and "| n/a |" in md
+
+
+def test_decode_bench_smoke(tmp_path):
+    """``python -m bench.decode --cpu-smoke``: every step case timed beside a positive floor, the JSON and markdown
+    written, the memory per sequence of each format."""
+    from bench import decode
+
+    assert decode.main(["--cpu-smoke", "--batch", "2", "--heads", "2", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "decode_cpu.json").read_text())
+    names = [c["case"] for c in doc["cases"]]
+    assert names == ["step fill 1", "step fill 8", "step fill 15", "decode layer"]
+    for c in doc["cases"]:
+        assert c["median_us"] > 0 and c["floor_us"] > 0 and c["bytes"] > 0
+    # the decode layer moves more than the half-full step (a flush inside), fill 15 more than fill 1
+    assert doc["cases"][2]["bytes"] > doc["cases"][0]["bytes"]
+    m = doc["memory_per_sequence"]
+    assert m["fp32"] == 2 * m["bf16"] == 2 * 2 * 128 * 128 * 2
+    assert "| decode layer |" in (tmp_path / "decode_cpu.md").read_text()
