@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 # of time and fails CI if it does not fit. Every target takes the ``mma.sync`` lowering (host.mma_sync_only). Not
 # claimed: sm_75, which has no bf16 tensor cores for the ring and column-sum products.
 SUPPORTED_CAPABILITIES = (80, 86, 89, 90, 100, 120)
+# The decode step's kernel (leapquant_triton.step) takes no tensor cores: it is built and checked for sm_75 too.
+STEP_CAPABILITIES = (75,) + SUPPORTED_CAPABILITIES
 # The oldest Triton release the kernel is built and checked with (pyproject's ``triton`` extra; CI tests every release
 # from it to the newest). On 3.4 the griddepcontrol helpers do not compile and ring 32 with ITERS 2 spills past the
 # limit; an older Triton makes ``available()`` say so, and ``auto`` passes the backend over rather than fail to compile.
@@ -97,3 +99,9 @@ class TritonBackend(Backend):
         from .host import flush_pool
 
         flush_pool(pool, idx)
+
+    def step(self, pool: "Pool", idx: torch.Tensor, q, k, v, g, beta, scale: float, use_qk_l2norm: bool,
+             out: torch.Tensor) -> None:
+        from .step import step_pool
+
+        step_pool(pool, idx, q, k, v, g, beta, scale, use_qk_l2norm, out)

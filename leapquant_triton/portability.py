@@ -1,12 +1,14 @@
-"""Ahead-of-time compile check of the flush kernel for every CUDA architecture the Triton backend claims, no GPU
-needed: ``python -m leapquant_triton.portability [--arch 80,90] [--quick]``.
+"""Ahead-of-time compile check of the flush and step kernels for every CUDA architecture the Triton backend claims, no
+GPU needed: ``python -m leapquant_triton.portability [--arch 80,90] [--quick]``.
 
 For each (architecture, shape) it runs Triton's own pipeline down to a cubin with ``triton.compile(ASTSource(...),
 target=GPUTarget("cuda", cc, 32))``, then reads the resource use back from ``ptxas -v`` (Triton's bundled ptxas, the
 same flags Triton uses) and compares it with the architecture's limits. It exits non-zero when a claimed target does
 not compile, does not fit (255 registers per thread, the shared memory per block of that architecture, no spills
-beyond :data:`MAX_SPILL_BYTES`), or does not take the ``mma.sync`` lowering of ``tl.dot`` that the backend forces
-(:func:`mma_family` of the PTX); architectures the backend does not claim are compiled and reported but cannot fail.
+beyond :data:`MAX_SPILL_BYTES`), or does not take the tensor-core lowering it must: ``mma.sync`` for the flush's
+``tl.dot`` (the backend forces it), none for the step (:func:`mma_family` of the PTX). The flush's builds (``grid``,
+``list``) are claimed on :data:`.backend.SUPPORTED_CAPABILITIES`, the step's (``step``) on
+:data:`.backend.STEP_CAPABILITIES`, sm_75 included; targets not claimed are compiled and reported but cannot fail.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from dataclasses import dataclass
 
 from leapquant.pool import Geometry
 
-from .backend import SUPPORTED_CAPABILITIES
+from .backend import STEP_CAPABILITIES, SUPPORTED_CAPABILITIES
 from .host import SCHEDULES, compile_options, kernel_constants, maxnreg_for, mma_sync_only, num_warps_for
 from .kernel import leapquant_flush_kernel
+from .step import NUM_WARPS as STEP_WARPS
+from .step import leapquant_step_kernel, step_constants
 
 # shared memory per block (opt-in maximum), bytes, from the CUDA programming guide's table of compute capabilities
 SMEM_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
@@ -40,6 +44,14 @@ _POINTERS = {
     "ubuf": "*bf16", "w": "*fp32", "pcum": "*fp32", "gbuf": "*fp16", "q0": "*fp32", "scratch": "*fp32",
     "scratch16": "*fp16",
 }
+# the step's, with the token tensors in bf16 (an engine's activations)
+_STEP_POINTERS = {
+    "idx": "*i32", "q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*bf16", "beta": "*bf16", "out": "*bf16",
+    "codes": "*i8", "skv": "*fp32", "uq": "*fp16", "kbuf": "*bf16", "ubuf": "*bf16", "w": "*fp32", "pcum": "*fp32",
+    "gbuf": "*fp16", "hcnt": "*i32",
+}
+# what the step's builds are named in the reports, beside the flush's SCHEDULES
+STEP = "step"
 
 
 @dataclass
@@ -133,34 +145,61 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
 def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | None = None,
                 maxnreg: int | None = None) -> Report:
     """Compile the flush kernel as one of its schedules launches it (``kernel``: ``"grid"`` or ``"list"``, the
-    ``LIST`` switch of :func:`leapquant_flush_kernel`) for ``sm_<arch>`` at ``shape`` and check it against the
-    architecture's limits."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    if not isinstance(leapquant_flush_kernel, triton.runtime.jit.JITFunction):
-        raise RuntimeError("the kernel was decorated under TRITON_INTERPRET=1; run the AOT check without it")
+    ``LIST`` switch of :func:`leapquant_flush_kernel`), or the step kernel (``kernel="step"``:
+    :func:`compile_step`), for ``sm_<arch>`` at ``shape`` and check it against the architecture's limits."""
+    if kernel == STEP:
+        return compile_step(arch, shape, num_warps)
     if kernel not in SCHEDULES:
-        raise ValueError(f"kernel must be one of {SCHEDULES}, not {kernel!r}")
+        raise ValueError(f"kernel must be one of {SCHEDULES + (STEP,)}, not {kernel!r}")
     geo = Geometry(2, 32, shape.head_k, shape.head_v, shape.ring, shape.rank, shape.gate)
     nw = num_warps or num_warps_for(shape.head_k, shape.head_v)
     maxnreg = maxnreg if maxnreg is not None else maxnreg_for(nw)  # the backend's launch
-    fn = leapquant_flush_kernel
     # as flush_pool launches it (griddepcontrol and the bulk L2 prefetch need sm_90; the prefetch distance, two
     # programs per SM of the GPU at hand, only moves a constant: the H200's is taken)
     sm90_list = kernel == "list" and arch >= 90
     constexprs = dict(kernel_constants(geo, "vllm", shape.iters), LIST=kernel == "list", PDL=sm90_list,
                       AHEAD=264 if sm90_list else 0)
     signature = dict(_POINTERS, NS="i32", HV="i32", SS="i32", **{k: "constexpr" for k in constexprs})
+    rep = _build(leapquant_flush_kernel, signature, constexprs, _POINTERS, arch, compile_options(nw, maxnreg),
+                 Report(arch, shape, kernel, nw, ok=False))
+    # every claimed build must take the mma.sync lowering (host.mma_sync_only): a Triton release that stops
+    # honouring the switch would hand the H200 the wgmma build that miscompiles this kernel
+    rep.ok = rep.ok and rep.mma == "mma.sync"
+    return rep
+
+
+def compile_step(arch: int, shape: Shape, num_warps: int | None = None) -> Report:
+    """Compile the step kernel (:func:`.step.leapquant_step_kernel`, q / k l2-normalised: the larger build) as
+    :func:`.step.step_pool` launches it for ``sm_<arch>`` at ``shape``; it must fit without tensor cores."""
+    geo = Geometry(2, 32, shape.head_k, shape.head_v, shape.ring, shape.rank, shape.gate)
+    nw = num_warps or STEP_WARPS
+    constexprs = dict(step_constants(geo, "vllm", True), NATIVE=True)
+    ints = {k: "i32" for k in ("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "sg_n", "sg_h", "sb_n", "sb_h",
+                               "so_n", "so_h")}
+    signature = dict(_STEP_POINTERS, **ints, scale="fp32", NS="i32", HV="i32", G="i32", SS="i32",
+                     **{k: "constexpr" for k in constexprs})
+    rep = _build(leapquant_step_kernel, signature, constexprs, _STEP_POINTERS, arch, compile_options(nw, None),
+                 Report(arch, shape, STEP, nw, ok=False))
+    rep.ok = rep.ok and rep.mma == "none"
+    return rep
+
+
+def _build(fn, signature: dict, constexprs: dict, pointers: dict, arch: int, options: dict, rep: Report) -> Report:
+    """``fn`` through Triton's pipeline for ``sm_<arch>``, its resources into ``rep``; ``rep.ok``: it fits the
+    architecture's registers, spill allowance and shared memory (the caller adds its lowering's condition)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if not isinstance(fn, triton.runtime.jit.JITFunction):
+        raise RuntimeError("the kernel was decorated under TRITON_INTERPRET=1; run the AOT check without it")
     # every pointer of a pool is 16-byte aligned (torch allocations; the raw views start at multiples of 16 bytes)
-    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in _POINTERS}
+    attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in pointers}
     t0 = time.time()
-    rep = Report(arch, shape, kernel, nw, ok=False)
     try:
         src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         with mma_sync_only():  # the build the backend launches (see flush_pool)
-            ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=compile_options(nw, maxnreg))
+            ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
         regs, spills, static_smem = _ptxas_usage(ck.asm["ptx"], arch)
     except Exception as e:  # a compile failure is a result of this check, reported per target
         rep.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
@@ -170,21 +209,22 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
     rep.mma = mma_family(ck.asm["ptx"])
     rep.prefetches = ck.asm["ptx"].count("cp.async.bulk.prefetch.L2")
     rep.seconds = time.time() - t0
-    # every claimed build must take the mma.sync lowering (host.mma_sync_only): a Triton release that stops
-    # honouring the switch would hand the H200 the wgmma build that miscompiles this kernel
-    rep.ok = (regs <= MAX_REGS and spills <= MAX_SPILL_BYTES and rep.smem <= SMEM_LIMIT[arch]
-              and rep.mma == "mma.sync")
+    rep.ok = regs <= MAX_REGS and spills <= MAX_SPILL_BYTES and rep.smem <= SMEM_LIMIT[arch]
     return rep
+
+
+def claimed(rep: Report) -> bool:
+    """Whether the backend claims ``rep``'s build on its architecture (only claimed builds can fail the check)."""
+    return rep.arch in (STEP_CAPABILITIES if rep.kernel == STEP else SUPPORTED_CAPABILITIES)
 
 
 def check(archs=ARCHS, shapes=SHAPES, out=sys.stdout) -> list[Report]:
     reports = []
     for arch in archs:
-        claimed = arch in SUPPORTED_CAPABILITIES
         for shape in shapes:
-            for kernel in SCHEDULES:  # the build each schedule of flush_pool launches
+            for kernel in SCHEDULES + (STEP,):  # the build each schedule of flush_pool launches, and the step's
                 rep = compile_one(arch, shape, kernel)
-                print(rep.line() + ("" if claimed else "  (not claimed)"), file=out, flush=True)
+                print(rep.line() + ("" if claimed(rep) else "  (not claimed)"), file=out, flush=True)
                 reports.append(rep)
     return reports
 
@@ -199,13 +239,13 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown architectures {unknown}; known: {list(SMEM_LIMIT)}")
     reports = check(archs, QUICK_SHAPES if a.quick else SHAPES)
-    bad = [r for r in reports if r.arch in SUPPORTED_CAPABILITIES and not r.ok]
+    bad = [r for r in reports if claimed(r) and not r.ok]
     if bad:
         print(f"{len(bad)} claimed target(s) do not fit:", file=sys.stderr)
         for r in bad:
             print("  " + r.line(), file=sys.stderr)
         return 1
-    print(f"all {sum(r.arch in SUPPORTED_CAPABILITIES for r in reports)} claimed targets fit")
+    print(f"all {sum(map(claimed, reports))} claimed targets fit")
     return 0
 
 

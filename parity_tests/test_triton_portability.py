@@ -1,7 +1,8 @@
-"""Ahead-of-time compile of the Triton flush kernel for every architecture the backend claims (no GPU needed).
+"""Ahead-of-time compile of the Triton flush and step kernels for every architecture the backend claims (no GPU
+needed).
 
 Runs ``python -m leapquant_triton.portability --quick`` (the default shape, 128 x 128, ring 16, rank 4, KDA, and
-64 x 64) for the claimed compute capabilities: the kernel must compile with Triton's bundled ptxas and fit each
+64 x 64) for the claimed compute capabilities: the kernels must compile with Triton's bundled ptxas and fit each
 architecture's registers, shared memory and spill allowance. It runs in a subprocess because conftest sets
 ``TRITON_INTERPRET=1`` on GPU-less machines, and the interpreter's kernel object cannot be compiled.
 The full shape table is ``python -m leapquant_triton.portability``.
@@ -19,9 +20,9 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler")
 
-from leapquant_triton.backend import SUPPORTED_CAPABILITIES  # noqa: E402
+from leapquant_triton.backend import STEP_CAPABILITIES, SUPPORTED_CAPABILITIES  # noqa: E402
 from leapquant_triton.host import SCHEDULES  # noqa: E402
-from leapquant_triton.portability import MAX_SPILL_BYTES  # noqa: E402
+from leapquant_triton.portability import MAX_SPILL_BYTES, STEP  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,16 +42,18 @@ def test_claimed_architectures_fit():
     res = _run("--quick", "--arch", ",".join(map(str, SUPPORTED_CAPABILITIES)))
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("sm_")]
-    assert len(rows) == 2 * len(SCHEDULES) * len(SUPPORTED_CAPABILITIES), res.stdout
+    # the flush's schedules and the step, per shape
+    assert len(rows) == 2 * (len(SCHEDULES) + 1) * len(SUPPORTED_CAPABILITIES), res.stdout
     for line in rows:
-        kernels = "|".join(SCHEDULES)
-        m = re.search(rf" (?:{kernels}) +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B +smem +([\d.]+)/(\d+) KiB"
+        kernels = "|".join(SCHEDULES + (STEP,))
+        m = re.search(rf" ({kernels}) +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B +smem +([\d.]+)/(\d+) KiB"
                       r" +(\S+) ", line)
         assert m, line
-        regs, spill, smem, limit = int(m[1]), int(m[2]), float(m[3]), int(m[4])
+        regs, spill, smem, limit = int(m[2]), int(m[3]), float(m[4]), int(m[5])
         assert 0 < regs <= 255 and spill <= MAX_SPILL_BYTES and 0 < smem <= limit, line
-        # the mma.sync lowering on every target, Hopper and Blackwell included (host.mma_sync_only)
-        assert m[5] == "mma.sync", line
+        # the flush: the mma.sync lowering on every target, Hopper and Blackwell included (host.mma_sync_only); the
+        # step: no tensor cores
+        assert m[6] == ("none" if m[1] == STEP else "mma.sync"), line
 
 
 @pytest.mark.parametrize("ptx,family", [
@@ -84,14 +87,18 @@ def test_list_build_prefetches_from_sm_90_only():
 
 
 def test_unclaimed_target_reported_not_failed():
-    """sm_75 (no bf16 tensor cores: FMA dots that spill) is compiled and reported as not fitting, and does not fail
-    the check because the backend does not claim it."""
-    assert 75 not in SUPPORTED_CAPABILITIES
+    """sm_75 (no bf16 tensor cores: FMA dots that spill) is compiled and reported as not fitting the flush, and does
+    not fail the check because the backend does not claim the flush there; the step (no tensor cores) is claimed on
+    sm_75 and fits."""
+    assert 75 not in SUPPORTED_CAPABILITIES and 75 in STEP_CAPABILITIES
     res = _run("--quick", "--arch", "75")
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("sm_75")]
-    assert rows and all("(not claimed)" in line for line in rows), res.stdout
-    assert any(" FAIL " in line for line in rows), res.stdout
+    flush = [line for line in rows if f" {STEP} " not in line]
+    step = [line for line in rows if f" {STEP} " in line]
+    assert flush and all("(not claimed)" in line for line in flush), res.stdout
+    assert any(" FAIL " in line for line in flush), res.stdout
+    assert len(step) == 2 and all(" ok " in line and "(not claimed)" not in line for line in step), res.stdout
 
 
 def test_unknown_architecture_rejected():
