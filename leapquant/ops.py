@@ -66,7 +66,7 @@ def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: b
     else:
         check_idx_layout(pool, idx)
     if not torch.compiler.is_compiling():
-        _launch(select(pool, backend), pool, idx)
+        _on_pool_device(pool, select(pool, backend).flush, pool, idx)
         return
     # the op resolves the name when it runs (the choice reads entry points and device properties: not traceable)
     torch.ops.leapquant.flush(*op_args(pool, idx, backend))
@@ -119,7 +119,8 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         o = torch.empty(B, pool.heads, pool.head_v, dtype=q.dtype, device=pool.device)
     scale = float(pool.head_k ** -0.5 if scale is None else scale)
     if not torch.compiler.is_compiling():
-        _launch_step(select_step(pool, backend), pool, idx, q, k, v, g, beta, scale, bool(use_qk_l2norm), o)
+        _on_pool_device(pool, select_step(pool, backend).step, pool, idx, q, k, v, g, beta, scale,
+                        bool(use_qk_l2norm), o)
         return o
     torch.ops.leapquant.step(*op_args(pool, idx, backend)[:-1], q, k, v, g, beta, o, scale, bool(use_qk_l2norm),
                              backend)
@@ -134,23 +135,22 @@ def op_args(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto") -> tup
             g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters, backend)
 
 
-def _launch(b: Backend, pool: Pool, idx: torch.Tensor) -> None:
-    """``b.flush(pool, idx)`` with the pool's GPU current (restored afterwards), so that its launches go to the pool's
-    device and that device's current stream."""
+def _on_pool_device(pool: Pool, fn, *args) -> None:
+    """``fn(*args)`` (a backend's flush or step) with the pool's GPU current (restored afterwards), so that its
+    launches go to the pool's device and that device's current stream."""
     if pool.device.type != "cuda":
-        b.flush(pool, idx)
+        fn(*args)
         return
     with torch.cuda.device(pool.device):
-        b.flush(pool, idx)
+        fn(*args)
 
 
-def _launch_step(b: Backend, pool: Pool, idx: torch.Tensor, *args) -> None:
-    """``b.step(pool, idx, *args)`` with the pool's GPU current, as :func:`_launch`."""
-    if pool.device.type != "cuda":
-        b.step(pool, idx, *args)
-        return
-    with torch.cuda.device(pool.device):
-        b.step(pool, idx, *args)
+def _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, num_slots, heads, head_k, head_v, ring, rank, gate,
+             convention, iters) -> Pool:
+    """The pool a custom op's arguments describe (the op takes tensors and numbers, not a Pool)."""
+    return Pool.from_tensors(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, num_slots=num_slots, heads=heads,
+                             head_k=head_k, head_v=head_v, ring=ring, rank=rank, gate=gate, convention=convention,
+                             iters=iters)
 
 
 @torch.library.custom_op(
@@ -177,12 +177,9 @@ def _flush_op(
     iters: int,
     backend: str,
 ) -> None:
-    pool = Pool.from_tensors(
-        raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0,
-        num_slots=num_slots, heads=heads, head_k=head_k, head_v=head_v, ring=ring, rank=rank, gate=gate,
-        convention=convention, iters=iters,
-    )
-    _launch(select(pool, backend), pool, idx)
+    pool = _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, num_slots, heads, head_k, head_v, ring, rank, gate,
+                    convention, iters)
+    _on_pool_device(pool, select(pool, backend).flush, pool, idx)
 
 
 @_flush_op.register_fake
@@ -222,12 +219,9 @@ def _step_op(
     use_qk_l2norm: bool,
     backend: str,
 ) -> None:
-    pool = Pool.from_tensors(
-        raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0,
-        num_slots=num_slots, heads=heads, head_k=head_k, head_v=head_v, ring=ring, rank=rank, gate=gate,
-        convention=convention, iters=iters,
-    )
-    _launch_step(select_step(pool, backend), pool, idx, q, k, v, g, beta, scale, use_qk_l2norm, out)
+    pool = _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, num_slots, heads, head_k, head_v, ring, rank, gate,
+                    convention, iters)
+    _on_pool_device(pool, select_step(pool, backend).step, pool, idx, q, k, v, g, beta, scale, use_qk_l2norm, out)
 
 
 @_step_op.register_fake
