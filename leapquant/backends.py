@@ -117,6 +117,23 @@ class Backend:
         """Whether the backend implements :meth:`step`."""
         return type(self).step is not Backend.step
 
+    def load_states(self, pool: "Pool", slots: torch.Tensor, states: torch.Tensor, state_v_first: bool) -> None:
+        """Compress fp32 ``states`` (``[n, HV, V, K]``, or ``[n, HV, K, V]`` where not ``state_v_first``; any strides)
+        into the checkpoints of ``slots`` (int32 or int64 ``[n]`` on the pool's device) by SPEC §3 steps 5-10, reset
+        their rings as a flush does and set their ``hcnt`` to 0 (SPEC §5). Called with validated arguments; same rules
+        as :meth:`flush` (no host sync, graph-capturable). Backends without it leave it out (:attr:`has_states`)."""
+        raise NotImplementedError
+
+    def states(self, pool: "Pool", slots: torch.Tensor, out: torch.Tensor, state_v_first: bool) -> None:
+        """Write the rebuilt states of ``slots`` (SPEC §3 steps 1-4) into ``out`` (fp32 ``[n, HV, V, K]``, or
+        ``[n, HV, K, V]`` where not ``state_v_first``; each head dense). Writes nothing else; no host sync."""
+        raise NotImplementedError
+
+    @property
+    def has_states(self) -> bool:
+        """Whether the backend implements :meth:`load_states` and :meth:`states`."""
+        return type(self).load_states is not Backend.load_states and type(self).states is not Backend.states
+
     def __repr__(self) -> str:
         return f"<leapquant backend {self.name!r}>"
 
@@ -192,8 +209,9 @@ def backends() -> list[BackendInfo]:
     return sorted(rows, key=lambda r: -r.priority)
 
 
-def choose(pool: "Pool", need_step: bool = False) -> Backend:
-    """``"auto"``: the highest-priority backend that supports ``pool`` (and has a decode step, if ``need_step``)."""
+def choose(pool: "Pool", need_step: bool = False, need_states: bool = False) -> Backend:
+    """``"auto"``: the highest-priority backend that supports ``pool`` (and has a decode step, if ``need_step``;
+    ``load_states`` and ``states``, if ``need_states``)."""
     reasons = []
     for info in backends():
         if not info.available:
@@ -203,6 +221,8 @@ def choose(pool: "Pool", need_step: bool = False) -> Backend:
         ok, why = b.supports(pool)
         if ok and need_step and not b.has_step:
             ok, why = False, "no decode step"
+        if ok and need_states and not b.has_states:
+            ok, why = False, "no load_states / states"
         if ok and pool.device.type in b.not_for_auto:
             ok, why = False, f"not chosen by auto: {b.not_for_auto[pool.device.type]}"
         if ok:
@@ -211,17 +231,20 @@ def choose(pool: "Pool", need_step: bool = False) -> Backend:
     raise BackendError("no backend supports this pool: " + "; ".join(reasons))
 
 
-def resolve(name: str, pool: "Pool", need_step: bool = False) -> Backend:
-    """The backend to flush (``need_step``: to decode) ``pool`` with: ``"auto"`` or a name; :class:`BackendError`
-    saying why it cannot."""
+def resolve(name: str, pool: "Pool", need_step: bool = False, need_states: bool = False) -> Backend:
+    """The backend to flush (``need_step``: to decode; ``need_states``: to load and rebuild states) ``pool`` with:
+    ``"auto"`` or a name; :class:`BackendError` saying why it cannot."""
     if name == "auto":
-        return choose(pool, need_step)
+        return choose(pool, need_step, need_states)
     b = get(name)
     ok, why = b.supports(pool)
     if ok and need_step and not b.has_step:
         ok, why = False, "it has no decode step"
+    if ok and need_states and not b.has_states:
+        ok, why = False, "it has no load_states / states"
     if not ok:
-        raise BackendError(f"backend {name!r} cannot {'decode with' if need_step else 'flush'} {pool!r}: {why}")
+        what = "decode with" if need_step else "load or rebuild states of" if need_states else "flush"
+        raise BackendError(f"backend {name!r} cannot {what} {pool!r}: {why}")
     return b
 
 
@@ -230,10 +253,10 @@ def resolve(name: str, pool: "Pool", need_step: bool = False) -> Backend:
 _CHOSEN: dict[tuple, Backend] = {}
 
 
-def resolve_cached(name: str, pool: "Pool", need_step: bool = False) -> Backend:
+def resolve_cached(name: str, pool: "Pool", need_step: bool = False, need_states: bool = False) -> Backend:
     """:func:`resolve`, remembered per backend name and pool specialisation until the next :func:`register`."""
-    key = (name, need_step, pool.geometry, pool.convention, pool.iters, str(pool.device))
+    key = (name, need_step, need_states, pool.geometry, pool.convention, pool.iters, str(pool.device))
     b = _CHOSEN.get(key)
     if b is None:
-        b = _CHOSEN[key] = resolve(name, pool, need_step)
+        b = _CHOSEN[key] = resolve(name, pool, need_step, need_states)
     return b

@@ -149,10 +149,11 @@ def restore(pool: Pool, snap: dict[str, torch.Tensor]) -> None:
 
 
 def untouched_failures(pool: Pool, before: dict[str, torch.Tensor], slots: torch.Tensor,
-                       heads: torch.Tensor) -> list[str]:
+                       heads: torch.Tensor, hcnt: int | None = None) -> list[str]:
     """What a flush of the programs ``(slots[i], heads[i])`` did that SPEC §2 forbids, given the pool's
     :func:`snapshot` from before it: any byte changed outside those programs' checkpoints and ring rows (bit for bit),
-    ``kbuf``, ``ubuf`` or ``hcnt`` changed at all, or a due program's ring not reset. Empty when all is well."""
+    ``kbuf``, ``ubuf`` or ``hcnt`` changed at all, or a due program's ring not reset. Empty when all is well.
+    ``hcnt``: the value a load of states (SPEC §5) sets for its programs, whose ``hcnt`` alone may then change."""
     slots, heads = slots.long().cpu(), heads.long().cpu()
     out = []
     may = pool.checkpoint_mask(slots, heads).cpu()
@@ -160,11 +161,18 @@ def untouched_failures(pool: Pool, before: dict[str, torch.Tensor], slots: torch
     n = int(((raw_b != raw_a) & ~may).sum())
     if n:
         out.append(f"raw: {n} bytes outside the due checkpoints changed")
-    for name in ("kbuf", "ubuf", "hcnt"):
+    for name in ("kbuf", "ubuf") + (("hcnt",) if hcnt is None else ()):
         if not torch.equal(before[name], as_bytes(getattr(pool, name))):
             out.append(f"{name} changed")
     rows = torch.zeros(pool.num_slots, pool.heads, dtype=torch.bool)
     rows[slots, heads] = True
+    if hcnt is not None:
+        t = pool.hcnt.detach().cpu()
+        b = before["hcnt"].view(t.dtype).view(t.shape)
+        if not torch.equal(b[~rows], t[~rows]):
+            out.append("hcnt of a program not loaded changed")
+        if not bool((t[rows] == hcnt).all()):
+            out.append(f"hcnt of a loaded program not set to {hcnt}")
     resets = {"w": 0.0, "pcum": 0.0 if pool.gate == "kda" else 1.0}
     if pool.gbuf is not None:
         resets["gbuf"] = 1.0
@@ -216,5 +224,41 @@ def measure(pool: Pool, idx: torch.Tensor, backend: str, check: bool = True,
         float((diff > 0).float().mean()) if diff.numel() else 0.0,
         int(diff.max()) if diff.numel() else 0,
         finite,
+        untouched,
+    )
+
+
+def measure_load_states(pool: Pool, slots: torch.Tensor, states: torch.Tensor, backend: str, *,
+                        state_v_first: bool = True, check: bool = True) -> Parity:
+    """``pool.load_states(slots, states, backend=...)`` in place, judged as SPEC §4 judges a flush (SPEC §5): per
+    (slot, head), the errors of the backend's checkpoint, the fp32 reference's and the float64 model's against the
+    given state in float64; every byte outside those programs' checkpoints and ring rows unchanged, their rings reset
+    and their ``hcnt`` 0. ``states``: fp32, ``[n, HV, V, K]`` or (not ``state_v_first``) ``[n, HV, K, V]``."""
+    s = slots.long().cpu()
+    whole = snapshot(pool)
+    ptr = pool.raw.data_ptr()
+    pool.load_states(slots, states, backend=backend, check=check, state_v_first=state_v_first)
+    rows = s.repeat_interleave(pool.heads)
+    heads = torch.arange(pool.heads).repeat(s.numel())
+    untouched = untouched_failures(pool, whole, rows, heads, hcnt=0)
+    if pool.raw.data_ptr() != ptr:
+        untouched.append("load_states did not work in place")
+    S32 = states.detach().to("cpu", torch.float32)
+    S32 = S32 if state_v_first else S32.transpose(-1, -2)
+    S64 = S32.double()
+    got = pool.checkpoint(s.to(pool.device))
+    new = [got[k].cpu() for k in ("codes", "s_k", "s_v", "u", "q")]
+    r32 = ref.compress(S32, pool.q0.cpu(), pool.iters)
+    r64 = ref.compress(S64, pool.q0.cpu(), pool.iters)
+    rec_b = ref.reconstruct(*new)
+    rec_r = ref.reconstruct(*r32)
+    diff = (new[0].int() - r32[0].int()).abs()
+    return Parity(
+        ref.relative_error(rec_b, S64).reshape(-1),
+        ref.relative_error(rec_r, S64).reshape(-1),
+        ref.relative_error(ref.reconstruct(*r64), S64).reshape(-1),
+        float((diff > 0).float().mean()) if diff.numel() else 0.0,
+        int(diff.max()) if diff.numel() else 0,
+        bool((torch.isfinite(rec_b) | ~torch.isfinite(rec_r)).all()),
         untouched,
     )

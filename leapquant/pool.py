@@ -220,20 +220,32 @@ class Pool:
         }
         return out
 
-    def states(self, slots) -> torch.Tensor:
-        """The rebuilt fp32 states ``[len(slots), HV, V, K]`` (SPEC §3 step 4), checkpoint plus ring as it stands."""
-        c = self.checkpoint(slots)
+    def states(self, slots, *, out: torch.Tensor | None = None, backend: str = "auto", check: bool = True,
+               state_v_first: bool = True) -> torch.Tensor:
+        """The rebuilt fp32 states of ``slots`` (SPEC §3 step 4, §5), checkpoint plus ring as it stands:
+        ``[len(slots), HV, V, K]``, or FLA's ``[len(slots), HV, K, V]`` with ``state_v_first=False``; written into
+        ``out`` if given (each head dense), else a new tensor. ``backend`` (``"auto"``: Triton on CUDA, else the
+        reference) and ``check`` (``False``: metadata only, no host sync) as for :func:`leapquant.flush`."""
+        from . import states as _states
+
+        return _states.states(self, slots, out, backend=backend, check=check, state_v_first=state_v_first)
+
+    def _states_reference(self, s: torch.Tensor) -> torch.Tensor:
+        """The reference path of :meth:`states`, V-first, for validated slots ``s``."""
+        c = self._gather(s)
         return reference.rebuild(**c, gate=self.gate)
 
-    def load_states(self, slots, states: torch.Tensor) -> None:
-        """Compress fp32 ``states [len(slots), HV, V, K]`` into those slots' checkpoints (SPEC §3 steps 5-10 in the
-        reference) and empty their rings (``hcnt = 0``)."""
-        s = self._slots(slots)
-        S = states.to(device=self.device, dtype=torch.float32)
-        if S.shape != (s.numel(), self.heads, self.head_v, self.head_k):
-            raise ValueError(
-                f"states must be [{s.numel()}, {self.heads}, {self.head_v}, {self.head_k}], got {list(S.shape)}"
-            )
+    def load_states(self, slots, states: torch.Tensor, *, backend: str = "auto", check: bool = True,
+                    state_v_first: bool = True) -> None:
+        """Compress fp32 ``states`` (``[len(slots), HV, V, K]``, or FLA's ``[len(slots), HV, K, V]`` with
+        ``state_v_first=False``) into those slots' checkpoints (SPEC §3 steps 5-10, §5) and empty their rings
+        (``hcnt = 0``). ``backend`` and ``check`` as for :meth:`states`."""
+        from . import states as _states
+
+        _states.load_states(self, slots, states, backend=backend, check=check, state_v_first=state_v_first)
+
+    def _load_states_reference(self, s: torch.Tensor, S: torch.Tensor) -> None:
+        """The reference path of :meth:`load_states`, for validated slots ``s`` and fp32 V-first states ``S``."""
         codes, s_k, s_v, u, q = reference.compress(S, self.q0, iters=self.iters)
         self.codes[s] = codes
         self.s_k[s] = s_k

@@ -282,3 +282,9 @@ class ReferenceBackend(Backend):
         put = _writer(has[:, None].expand(-1, pool.heads), row)
         for name, new_rows in ring.items():
             put(getattr(pool, name), new_rows)
+
+    def load_states(self, pool: "Pool", slots: torch.Tensor, states: torch.Tensor, state_v_first: bool) -> None:
+        pool._load_states_reference(slots.long(), states if state_v_first else states.transpose(-1, -2))
+
+    def states(self, pool: "Pool", slots: torch.Tensor, out: torch.Tensor, state_v_first: bool) -> None:
+        (out if state_v_first else out.transpose(-1, -2)).copy_(pool._states_reference(slots.long()))

@@ -77,7 +77,8 @@ def fill(pool: Pool, slots, regime: str, gen: torch.Generator, due: torch.Tensor
     if regime == "realistic":
         _fill_by_stream(pool, slots, gen)
     else:
-        pool.load_states(slots, target_states(regime, n, HV, V, K, gen).to(dev))
+        # the reference on every device, whatever backend is under test: the bytes follow from the seed
+        pool.load_states(slots, target_states(regime, n, HV, V, K, gen).to(dev), backend="reference")
         scale = _ring_scale(regime)
         k = torch.nn.functional.normalize(_randn(gen, n, HV, L, K), dim=-1)
         pool.kbuf[slots.to(dev)] = k.to(torch.bfloat16).to(dev)
@@ -135,7 +136,7 @@ def _fill_by_stream(pool: Pool, slots: torch.Tensor, gen: torch.Generator, fills
     from .reference import ReferenceBackend
 
     n, dev = slots.numel(), pool.device
-    pool.load_states(slots, torch.zeros(n, pool.heads, pool.head_v, pool.head_k, device=dev))
+    pool.load_states(slots, torch.zeros(n, pool.heads, pool.head_v, pool.head_k, device=dev), backend="reference")
     k, v, g, beta = token_stream(n, pool.heads, pool.head_k, pool.head_v, fills * pool.ring, pool.gate, gen)
     idx = slots.to(torch.int32).to(dev)
     for t in range(fills * pool.ring):

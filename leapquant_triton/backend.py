@@ -105,3 +105,13 @@ class TritonBackend(Backend):
         from .step import step_pool
 
         step_pool(pool, idx, q, k, v, g, beta, scale, use_qk_l2norm, out)
+
+    def load_states(self, pool: "Pool", slots: torch.Tensor, states: torch.Tensor, state_v_first: bool) -> None:
+        from .states import load_states_pool
+
+        load_states_pool(pool, slots, states, state_v_first)
+
+    def states(self, pool: "Pool", slots: torch.Tensor, out: torch.Tensor, state_v_first: bool) -> None:
+        from .states import states_pool
+
+        states_pool(pool, slots, out, state_v_first)
