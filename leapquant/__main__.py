@@ -47,6 +47,12 @@ def cmd_info(args) -> int:
         if b.available:
             for dev, why in leapquant.get_backend(b.name).not_for_auto.items():
                 print(f"{'':<22}auto skips it on {dev}: {why}")
+    print()
+    from .memory import table
+
+    for line in table(args.gib, heads=args.heads, head_k=args.head_k, head_v=args.head_v, ring=args.ring,
+                      rank=args.rank, gate=args.gate):
+        print(line)
     return 0
 
 
@@ -133,7 +139,14 @@ def cmd_simulate(args) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m leapquant", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("info", help="backends, devices and versions; why a backend is unavailable")
+    i = sub.add_parser("info", help="backends, devices and versions; why a backend is unavailable; bytes per sequence")
+    i.add_argument("--gib", type=float, default=80.0, help="memory budget for the sequences-that-fit column (default 80)")
+    i.add_argument("--heads", type=int, default=32, help="heads per sequence (per layer, per GPU; default 32)")
+    i.add_argument("--head-k", type=int, default=128, help="key head dim K (default 128)")
+    i.add_argument("--head-v", type=int, default=128, help="value head dim V (default 128)")
+    i.add_argument("--ring", type=int, default=16, help="ring entries L (default 16)")
+    i.add_argument("--rank", type=int, default=4, help="Compensator Tokens R (default 4)")
+    i.add_argument("--gate", choices=["kda", "gdn"], default="kda", help="kda (gbuf, pcum[K]) or gdn (pcum[1])")
     d = sub.add_parser("demo", help="decode a batch token by token with leapquant.step, against the exact recurrence")
     d.add_argument("--seqs", type=int, default=4, help="sequences decoded together (default 4)")
     d.add_argument("--heads", type=int, default=32, help="value heads per sequence (default 32)")
