@@ -75,7 +75,7 @@ def token_inputs(seqs: int, heads: int, head_k: int, head_v: int, tokens: int, g
 
 
 def _span(x: dict, a: int, b: int) -> dict:
-    return {n: t[:, a:b] for n, t in x.items()}
+    return {n: t[:, a:b].contiguous() for n, t in x.items()}
 
 
 def _exact(S0: torch.Tensor, x: dict, gate: str, scale: float) -> torch.Tensor:
@@ -103,11 +103,14 @@ def _stats(e: torch.Tensor) -> dict:
 
 def round_trip(device: str | torch.device = "cpu", *, gate: str = "kda", seqs: int = 2, heads: int = 4,
                head_k: int = 128, head_v: int = 128, prompt: int = 256, decode: int = 32, resume: int = 64,
-               stream: str = "synthetic", backend: str = "auto", seed: int = 0) -> dict:
+               stream: str = "synthetic", backend: str = "auto", seed: int = 0,
+               dtype: torch.dtype = torch.float32) -> dict:
     """The round trip of the module's docstring; returns its figures (a JSON-able dict).
 
     ``backend`` serves ``load_states``, ``states`` and ``step`` (``"auto"``: Triton on CUDA, else the reference). On
     CUDA FLA's Triton kernels run the prefill, the exact continuation and the resume; on a CPU its naive recurrences.
+    ``dtype``: of the token inputs (q, k, v, g, beta) every path takes, FLA, ``leapquant.step`` and the float64
+    recurrence alike; states are fp32 throughout.
     """
     import leapquant
     from .ops import select_step
@@ -116,7 +119,8 @@ def round_trip(device: str | torch.device = "cpu", *, gate: str = "kda", seqs: i
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     B, HV, K, V = seqs, heads, head_k, head_v
-    x = {n: t.to(device) for n, t in token_inputs(B, HV, K, V, prompt + decode + resume, gate, stream, gen).items()}
+    x = {n: t.to(device, dtype) for n, t in token_inputs(B, HV, K, V, prompt + decode + resume, gate, stream,
+                                                          gen).items()}
     fla = fla_functions(device, gate)
     scale = K ** -0.5
     times = {}
@@ -131,8 +135,8 @@ def round_trip(device: str | torch.device = "cpu", *, gate: str = "kda", seqs: i
         times[name] = time.perf_counter() - t0
         return r
 
-    def run(fn, span, state):
-        return fn(*(span[n] for n in ("q", "k", "v", "g", "beta")), initial_state=state, output_final_state=True)
+    def run(fn, span, state):  # by keyword: fused_recurrent_gated_delta_rule's fifth parameter is gk, not beta
+        return fn(**span, initial_state=state, output_final_state=True)
 
     # 1. prefill
     _, S0 = timed("prefill", run, fla["chunk"], _span(x, 0, prompt), None)
@@ -166,7 +170,7 @@ def round_trip(device: str | torch.device = "cpu", *, gate: str = "kda", seqs: i
     return {
         "what": "prefill round trip (leapquant/prefill.py)",
         "config": dict(device=str(device), gate=gate, seqs=B, heads=HV, head_k=K, head_v=V, prompt=prompt,
-                       decode=decode, resume=resume, stream=stream, seed=seed,
+                       decode=decode, resume=resume, stream=stream, seed=seed, dtype=str(dtype).split(".")[-1],
                        backend=select_states(pool, backend).name, step_backend=select_step(pool, backend).name, fla=list(fla["names"])),
         "load_state_error": _stats(_rel(loaded, S0, (-2, -1))),
         "decode_output_error": _stats(per_token),
@@ -231,13 +235,15 @@ def main(argv=None) -> int:
                     help="token stream of the decode simulation (default synthetic)")
     ap.add_argument("--backend", default="auto", help="backend of load_states, states and step (default auto)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the token stream")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="dtype of the token inputs of every path (default float32)")
     ap.add_argument("--json", default=None, help="also write the figures to this JSON file")
     a = ap.parse_args(argv)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     gpu = device.type == "cuda"
     r = round_trip(device, gate=a.gate, seqs=a.seqs or (8 if gpu else 2), heads=a.heads or (32 if gpu else 4),
                    prompt=a.prompt or (4096 if gpu else 256), decode=a.decode, resume=a.resume, stream=a.stream,
-                   backend=a.backend, seed=a.seed)
+                   backend=a.backend, seed=a.seed, dtype=getattr(torch, a.dtype))
     print(table(r))
     if a.json:
         with open(a.json, "w") as f:

@@ -18,8 +18,8 @@ from .conftest import compute_devices  # noqa: E402
 @pytest.mark.parametrize("gate,backend", [("kda", "reference"), ("gdn", "reference"), ("kda", "triton")])
 def test_round_trip_within_the_simulation_error(gate, backend):
     """Decode and resumed outputs within the decode simulation's worst LeapQuant output error of FLA's exact
-    continuation; a ring flushed inside the decode (20 tokens, ring 16); FLA's own fp32 continuation within 1e-5 of
-    the float64 recurrence (so the comparison measures LeapQuant, not FLA)."""
+    continuation; a ring flushed inside the decode (20 tokens, ring 16); FLA's own fp32 continuation within 1e-4 of
+    the float64 recurrence, far below LeapQuant's few 1e-3 (so the comparison measures LeapQuant, not FLA)."""
     if backend == "triton":
         pytest.importorskip("triton")
     device = compute_devices()[0] if backend == "triton" else "cpu"
@@ -27,7 +27,7 @@ def test_round_trip_within_the_simulation_error(gate, backend):
                    backend=backend, seed=1)
     assert r["config"]["backend"] == backend and r["config"]["step_backend"] == backend
     assert not failures(r), table(r)
-    assert r["fla_vs_float64_output_error"]["worst"] < 1e-5, table(r)
+    assert r["fla_vs_float64_output_error"]["worst"] < 1e-4, table(r)
     # the state was compressed (an int8 checkpoint: errors of a few 1e-3), not copied
     assert 1e-4 < r["load_state_error"]["mean"] < SIMULATION_OUTPUT_WORST["synthetic"], table(r)
     assert r["decode_output_error"]["worst"] > 0 and r["resume_output_error"]["worst"] > 0
