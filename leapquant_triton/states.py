@@ -192,3 +192,62 @@ def states_pool(pool, slots: torch.Tensor, out: torch.Tensor, state_v_first: boo
     _prepared(pool, "states", nw, cap)((n, pool.heads), dict(slots=slots, out=out,
                                                               **state_strides(out, state_v_first)))
     return out
+
+
+# --- ahead-of-time check (no GPU needed): ``python -m leapquant_triton.states [--arch 80,90]`` -------------------------
+
+_AOT_POINTERS = {"slots": "*i32", "states": "*fp32", "out": "*fp32", "hcnt": "*i32", "codes": "*i8", "skv": "*fp32",
+                 "uq": "*fp16", "kbuf": "*bf16", "ubuf": "*bf16", "w": "*fp32", "pcum": "*fp32", "gbuf": "*fp16",
+                 "q0": "*fp32", "scratch": "*fp32", "scratch16": "*fp16"}
+KERNELS = ("load", "states")
+
+
+def compile_one(arch: int, shape, which: str, state_v_first: bool = True):
+    """Compile ``which`` (``"load"`` or ``"states"``) as :func:`load_states_pool` / :func:`states_pool` launch it for
+    ``sm_<arch>`` at ``shape`` (a :class:`.portability.Shape`), the state's unit stride specialised as Triton does
+    for a dense tensor of that layout, and check it as the flush's builds are checked (registers, spills, shared
+    memory, ``mma.sync``): a :class:`.portability.Report`."""
+    from leapquant.pool import Geometry
+
+    from . import portability as aot
+
+    fn = load_states_kernel if which == "load" else states_kernel
+    geo = Geometry(2, 32, shape.head_k, shape.head_v, shape.ring, shape.rank, shape.gate)
+    consts = kernel_constants(geo, "vllm", shape.iters)
+    keep = ("K", "V", "L", "R", "BL", "BR", "IS_KDA") + (("ITERS", "SCR") if which == "load" else ())
+    constexprs = dict({k: consts[k] for k in keep}, BF16_DOTS=True, **{"s_k" if state_v_first else "s_v": 1})
+    pointers = {k: v for k, v in _AOT_POINTERS.items() if k in fn.arg_names}
+    signature = {a: pointers.get(a) or ("constexpr" if a in constexprs else "i32") for a in fn.arg_names}
+    nw, cap = _build(shape.head_k, shape.head_v, None, None)
+    name = f"{which}{'' if state_v_first else '-kv'}"
+    rep = aot._build(fn, signature, constexprs, pointers, arch, compile_options(nw, cap),
+                     aot.Report(arch, shape, name, nw, ok=False))
+    rep.ok = rep.ok and rep.mma == "mma.sync"
+    return rep
+
+
+def main(argv=None) -> int:
+    import argparse
+    import sys
+
+    from . import portability as aot
+    from .backend import SUPPORTED_CAPABILITIES
+
+    ap = argparse.ArgumentParser(description="ahead-of-time compile check of the load_states and states kernels")
+    ap.add_argument("--arch", default=",".join(map(str, SUPPORTED_CAPABILITIES)), help="compute capabilities")
+    ap.add_argument("--quick", action="store_true", help="only the default 128x128 KDA shape and 64x64 KDA")
+    a = ap.parse_args(argv)
+    bad = 0
+    for arch in (int(x) for x in a.arch.split(",") if x):
+        for shape in aot.QUICK_SHAPES if a.quick else aot.SHAPES:
+            for which in KERNELS:
+                for v_first in (True, False):
+                    rep = compile_one(arch, shape, which, v_first)
+                    print(rep.line(), flush=True)
+                    bad += not rep.ok
+    print(f"{bad} build(s) do not fit" if bad else "all builds fit")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
