@@ -83,11 +83,14 @@ def _state_tensor(pool: "Pool", t, n: int, state_v_first: bool, name: str, check
     return t
 
 
-def _dense_heads(t: torch.Tensor, state_v_first: bool) -> bool:
-    """Whether every head's state of ``t`` occupies ``V K`` consecutive words in the layout's order."""
-    if t.shape[0] * t.shape[1] == 0:
+def _dense_heads(t: torch.Tensor) -> bool:
+    """Whether every head's state of ``t`` occupies ``V K`` consecutive words of its own, in the layout's order (a
+    kernel keeps scratch words in its head's words, so heads must not share any)."""
+    n, HV, A, B = t.shape
+    if n * HV == 0:
         return True
-    return t.stride(3) == 1 and t.stride(2) == t.shape[3]
+    own = (HV == 1 or t.stride(1) >= A * B) and (n == 1 or t.stride(0) >= HV * A * B)
+    return t.stride(3) == 1 and t.stride(2) == B and own
 
 
 def load_states(pool: "Pool", slots, states: torch.Tensor, *, backend: str = "auto", check: bool = True,
@@ -118,9 +121,10 @@ def states(pool: "Pool", slots, out: torch.Tensor | None = None, *, backend: str
         want = state_shape(pool, s.numel(), state_v_first)
         if tuple(out.shape) != want:
             raise ValueError(f"out must have shape {list(want)}, got {list(out.shape)}")
-        if not _dense_heads(out, state_v_first):
-            raise ValueError(f"out must hold each head's state densely (strides [.., .., {out.shape[3]}, 1]), got "
-                             f"strides {out.stride()}")
+        if not _dense_heads(out):
+            raise ValueError(f"out must hold each head's state densely in words of its own (strides [>= "
+                             f"{out.shape[1] * out.shape[2] * out.shape[3]}, >= {out.shape[2] * out.shape[3]}, "
+                             f"{out.shape[3]}, 1]), got strides {out.stride()}")
     b = select_states(pool, backend)
     if s.numel():
         _on_pool_device(pool, b.states, pool, s, out, bool(state_v_first))

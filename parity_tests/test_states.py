@@ -194,6 +194,8 @@ def test_checks_and_dispatch():
     assert pool.states([1, 1]).shape == (2, 2, 64, 64)  # reading a slot twice is fine
     with pytest.raises(ValueError, match="densely"):
         pool.states([1], out=torch.empty(1, 2, 64, 128, device=DEVICE)[..., :64])
+    with pytest.raises(ValueError, match="densely"):  # heads sharing words
+        pool.states([1], out=torch.empty(1, 1, 64, 64, device=DEVICE).expand(1, 2, 64, 64))
     with pytest.raises(ValueError, match="shape"):
         pool.states([1], out=torch.empty(2, 2, 64, 64, device=DEVICE))
 
