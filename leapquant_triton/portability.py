@@ -27,8 +27,7 @@ from leapquant.pool import Geometry
 from .backend import STEP_CAPABILITIES, SUPPORTED_CAPABILITIES
 from .host import SCHEDULES, compile_options, kernel_constants, maxnreg_for, mma_sync_only, num_warps_for
 from .kernel import leapquant_flush_kernel
-from .step import NUM_WARPS as STEP_WARPS
-from .step import leapquant_step_kernel, step_constants
+from .step import step_build
 
 # shared memory per block (opt-in maximum), bytes, from the CUDA programming guide's table of compute capabilities
 SMEM_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
@@ -169,18 +168,22 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
 
 
 def compile_step(arch: int, shape: Shape, num_warps: int | None = None) -> Report:
-    """Compile the step kernel (:func:`.step.leapquant_step_kernel`, q / k l2-normalised: the larger build) as
-    :func:`.step.step_pool` launches it for ``sm_<arch>`` at ``shape``; it must fit without tensor cores."""
+    """Compile the step kernel (q / k l2-normalised: the larger build) as :func:`.step.step_pool` launches it for
+    ``sm_<arch>`` at ``shape`` (:func:`.step.step_build`): from sm_80 :func:`.step.leapquant_step_kernel`, its int8
+    and bf16 products as ``mma.sync``; on sm_75 :func:`.step.leapquant_step_fma_kernel`, no tensor cores. Never wgmma
+    or tcgen05."""
     geo = Geometry(2, 32, shape.head_k, shape.head_v, shape.ring, shape.rank, shape.gate)
-    nw = num_warps or STEP_WARPS
-    constexprs = dict(step_constants(geo, "vllm", True), NATIVE=True)
+    kernel, constexprs, options = step_build(geo, "vllm", True, arch)
+    constexprs["NATIVE"] = True
+    if num_warps:
+        options["num_warps"] = num_warps
     ints = {k: "i32" for k in ("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "sg_n", "sg_h", "sb_n", "sb_h",
                                "so_n", "so_h")}
     signature = dict(_STEP_POINTERS, **ints, scale="fp32", NS="i32", HV="i32", G="i32", SS="i32",
                      **{k: "constexpr" for k in constexprs})
-    rep = _build(leapquant_step_kernel, signature, constexprs, _STEP_POINTERS, arch, compile_options(nw, None),
-                 Report(arch, shape, STEP, nw, ok=False))
-    rep.ok = rep.ok and rep.mma == "none"
+    rep = _build(kernel, signature, constexprs, _STEP_POINTERS, arch, options,
+                 Report(arch, shape, STEP, options["num_warps"], ok=False))
+    rep.ok = rep.ok and rep.mma == ("none" if arch < 80 else "mma.sync")
     return rep
 
 

@@ -51,9 +51,9 @@ def test_claimed_architectures_fit():
         assert m, line
         regs, spill, smem, limit = int(m[2]), int(m[3]), float(m[4]), int(m[5])
         assert 0 < regs <= 255 and spill <= MAX_SPILL_BYTES and 0 < smem <= limit, line
-        # the flush: the mma.sync lowering on every target, Hopper and Blackwell included (host.mma_sync_only); the
-        # step: no tensor cores
-        assert m[6] == ("none" if m[1] == STEP else "mma.sync"), line
+        # the flush and the step (its int8 and bf16 products): the mma.sync lowering on every target, Hopper and
+        # Blackwell included (host.mma_sync_only)
+        assert m[6] == "mma.sync", line
 
 
 @pytest.mark.parametrize("ptx,family", [
@@ -88,8 +88,8 @@ def test_list_build_prefetches_from_sm_90_only():
 
 def test_unclaimed_target_reported_not_failed():
     """sm_75 (no bf16 tensor cores: FMA dots that spill) is compiled and reported as not fitting the flush, and does
-    not fail the check because the backend does not claim the flush there; the step (no tensor cores) is claimed on
-    sm_75 and fits."""
+    not fail the check because the backend does not claim the flush there; the step is claimed on sm_75, where its
+    FMA kernel (no tensor cores) fits."""
     assert 75 not in SUPPORTED_CAPABILITIES and 75 in STEP_CAPABILITIES
     res = _run("--quick", "--arch", "75")
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]

@@ -120,8 +120,9 @@ def _tokens(pool, N: int, H: int, dtype, layout: str, g: torch.Generator):
 
 
 def _run_step(pool, idx: list[int], H: int, dtype, use_qk_l2norm: bool, layout: str, g: torch.Generator,
-              out_dtype=None, scale: float = 0.3):
-    """Both twins of the module docstring from ``pool``: ``(before, A, B, tokens, idx, out_ref32, out)``."""
+              out_dtype=None, scale: float = 0.3, fma: bool | None = None):
+    """Both twins of the module docstring from ``pool``: ``(before, A, B, tokens, idx, out_ref32, out)``; ``fma``:
+    B steps through the kernel without tensor cores (sm_75's) rather than the one this device takes."""
     idx_t = torch.tensor(idx, dtype=torch.int32, device=DEVICE)
     tok = _tokens(pool, len(idx), H, dtype, layout, g)
     before = parity.snapshot(pool)
@@ -137,7 +138,7 @@ def _run_step(pool, idx: list[int], H: int, dtype, use_qk_l2norm: bool, layout: 
     out_ref = torch.full((len(idx), pool.heads, pool.head_v), float("nan"), device=DEVICE)
     ref.ReferenceBackend().step(A, idx_t, **tok, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out_ref)
     out = _view(torch.full_like(out_ref, float("nan"), dtype=out_dtype or dtype), layout)
-    step_pool(B, idx_t, **tok, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out)
+    step_pool(B, idx_t, **tok, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out, fma=fma)
     return before, A, B, tok, idx_t, out_ref, out
 
 
@@ -247,12 +248,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("fma", [None, True], ids=["tc", "fma"])
 @pytest.mark.parametrize("gate,K,V,L,R,HV,H,convention,dtype,l2,layout", CASES,
                          ids=[f"{c[0]}-K{c[1]}V{c[2]}-L{c[3]}-R{c[4]}-HV{c[5]}H{c[6]}-{c[7]}-{str(c[8])[6:]}"
                               f"{'-l2' if c[9] else ''}" for c in CASES])
-def test_step_matches_reference(gate, K, V, L, R, HV, H, convention, dtype, l2, layout):
+def test_step_matches_reference(gate, K, V, L, R, HV, H, convention, dtype, l2, layout, fma):
     """Rings at every fill over slots 1..3 (one of them full: flushed inside, judged by SPEC §4); rows: padding, a
-    slot out of range either way, slot 0 (real under SGLang), and slot 4 named by no row (untouched)."""
+    slot out of range either way, slot 0 (real under SGLang), and slot 4 named by no row (untouched). Both kernels:
+    the tensor-core one and sm_75's."""
     pool, g = _case(gate, K, V, L, R, HV, convention, seed=K + V + L + R + HV, counts=[0, L // 2, L - 1, L])
     pad = 0 if convention == "vllm" else -1
     idx = [2, pad, 3, 5, 1, 2 ** 31 - 1, -7] + ([0] if convention == "sglang" else [])
@@ -260,7 +263,7 @@ def test_step_matches_reference(gate, K, V, L, R, HV, H, convention, dtype, l2, 
         _fill_program(pool, 0, h, g)
         pool.hcnt[0, h] = L // 2 - 1
         _poison_tail(pool, 0, h, L // 2 - 1, nan=True, g=g)
-    before, A, B, tok, idx_t, out_ref, out = _run_step(pool, idx, H, dtype, l2, layout, g)
+    before, A, B, tok, idx_t, out_ref, out = _run_step(pool, idx, H, dtype, l2, layout, g, fma=fma)
     n = _check(before, A, B, tok, idx_t, out_ref, out, l2)
     assert n == HV * (4 if convention == "sglang" else 3)
     p = _measure_flush(pool, idx_t)
@@ -272,9 +275,10 @@ def test_step_matches_reference(gate, K, V, L, R, HV, H, convention, dtype, l2, 
        convention=st.sampled_from(["vllm", "sglang"]),
        dtypes=st.sampled_from([(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                (torch.float16, torch.float32)]),
-       l2=st.booleans(), layout=st.sampled_from(["padded", "heads_first", "contiguous"]))
-def test_step_random_fills(seed, gate, shape, convention, dtypes, l2, layout):
-    """Random fill counts and token values at 64 x 64; out in another dtype than the tokens once."""
+       l2=st.booleans(), layout=st.sampled_from(["padded", "heads_first", "contiguous"]),
+       fma=st.sampled_from([None, True]))
+def test_step_random_fills(seed, gate, shape, convention, dtypes, l2, layout, fma):
+    """Random fill counts and token values at 64 x 64; out in another dtype than the tokens once; either kernel."""
     K, V, L, R, HV, H = shape
     g = torch.Generator().manual_seed(seed)
     counts = torch.randint(0, L + 1, (6,), generator=g).tolist()
@@ -282,7 +286,7 @@ def test_step_random_fills(seed, gate, shape, convention, dtypes, l2, layout):
     pad = 0 if convention == "vllm" else -1
     idx = [3, pad, 1, 2]
     before, A, B, tok, idx_t, out_ref, out = _run_step(pool, idx, H, dtypes[0], l2, layout, g, out_dtype=dtypes[1],
-                                                       scale=float(K) ** -0.5)
+                                                       scale=float(K) ** -0.5, fma=fma)
     _check(before, A, B, tok, idx_t, out_ref, out, l2, scale=float(K) ** -0.5)
 
 
