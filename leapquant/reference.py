@@ -103,10 +103,13 @@ def cholqr(Y, floor: float = FLOOR):
 
 def pow2_normaliser(S):
     """A power of two ``c [..., 1, 1]`` with ``max|c S|`` in [0.5, 1) (1 for a zero state): scaling by it is exact,
-    and keeps the subspace products finite for ``max|S|`` anywhere in the SPEC's domain."""
+    and keeps the subspace products finite for ``max|S|`` anywhere in the SPEC's domain. The exponent is held to
+    ``[-125, 126]``, as the kernels hold theirs, so that ``c`` stays a finite fp32 number: below ``2^-126`` (a fully
+    decayed head, a denormal state) ``c = 2^125`` leaves ``max|c S|`` under 0.5 instead of overflowing to infinity
+    and NaN factors."""
     m = S.abs().amax(dim=(-2, -1), keepdim=True)
     _, e = torch.frexp(m)
-    return torch.where(m > 0, torch.ldexp(torch.ones_like(m), -e), torch.ones_like(m))
+    return torch.where(m > 0, torch.ldexp(torch.ones_like(m), -e.clamp(-125, 126)), torch.ones_like(m))
 
 
 def subspace(S, q0, iters: int = 1):
@@ -208,37 +211,83 @@ def step_rows(c: dict, q, k, v, g, beta, *, gate: str, scale: float, use_qk_l2no
     return ring, o
 
 
+def ring_empty(w, pcum, gate: str):
+    """``[...]`` bool: the ring holds nothing since its last flush, i.e. it is in the state a flush's ring reset leaves
+    (SPEC §2): every weight ``w [..., L]`` zero and the checkpoint's scale the identity (KDA ``pcum [..., K]`` all 0,
+    GDN ``pcum[..., 0] == 1``). The rebuilt state of such a ring is its checkpoint exactly, so a flush skips it
+    (idempotence; ``gbuf`` and the entries' keys and values are void under zero weights). NaN is never empty."""
+    empty = (w == 0).all(-1)
+    if gate == "kda":
+        return empty & (pcum == 0).all(-1)
+    return empty & (pcum[..., 0] == 1)
+
+
 def _rows(pool: "Pool", idx: torch.Tensor):
-    """For ``idx [N]``: which rows name a real slot, the slots with 0 for the others, and per slot the first row that
-    names it (``row [NS]``) and whether one does (``has [NS]``); no host synchronisation."""
+    """For ``idx [N]``, no host synchronisation: ``real`` (the row names a real slot), ``safe`` (its slot, 0 for the
+    others), ``first`` (the row is the first of ``idx`` naming its slot: only it may write, so that every (slot, head)
+    is written at most once per call), and ``src`` (the row whose values a row's writes take, in the graph-capturable
+    path: the first row naming its slot; for a row naming no real slot, the first real row, else row 0)."""
     NS, N = pool.num_slots, idx.numel()
     idxl = idx.long()
     real = (idxl >= pool.first_slot) & (idxl < NS)
     safe = torch.where(real, idxl, torch.zeros_like(idxl))
-    # rows whose slot is not real point at a dummy entry past the end
+    rows = torch.arange(N, device=idx.device)
+    # the smallest row naming each slot; rows whose slot is not real go to a dummy entry past the end
     target = torch.where(real, idxl, torch.full_like(idxl, NS))
-    row = torch.full((NS + 1,), N, dtype=torch.long, device=idx.device)
-    row.scatter_reduce_(0, target, torch.arange(N, device=idx.device), "amin")
-    row = row[:NS]
-    has = row < N
-    return real, safe, torch.where(has, row, torch.zeros_like(row)), has
+    first_row = torch.full((NS + 1,), N, dtype=torch.long, device=idx.device)
+    first_row.scatter_reduce_(0, target, rows, "amin")
+    first = real & (first_row[safe] == rows)
+    anchor = torch.argmax(real.to(torch.int32))  # the first real row (0 when there is none)
+    src = torch.where(real, first_row[safe], anchor)
+    return real, safe, first, src
 
 
-def _writer(mask: torch.Tensor, row: torch.Tensor):
-    """``put(dst, new_rows)``: ``dst [NS, HV, ...]`` takes ``new_rows[row]`` where ``mask [NS, HV]``, in place."""
+def _pairs(pool: "Pool", s: torch.Tensor, h: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The checkpoints and rings of the programs ``(s[i], h[i])``, gathered as ``[P, ...]`` (keys of ``run``)."""
+    names = ("codes", "s_k", "s_v", "u", "q", "kbuf", "ubuf", "w", "pcum")
+    out = {n: getattr(pool, n)[s, h] for n in names}
+    out["gbuf"] = pool.gbuf[s, h] if pool.gbuf is not None else None
+    return out
 
-    def put(dst, new_rows):
-        m = mask.reshape(mask.shape + (1,) * (dst.dim() - 2))
-        dst.copy_(torch.where(m, new_rows[row].to(dst.dtype), dst))
 
-    return put
+def _flushed(pool: "Pool", c: dict) -> dict[str, torch.Tensor]:
+    """The new checkpoints and ring resets (SPEC §3 steps 1-10) of the gathered programs ``c``, by pool tensor."""
+    S = rebuild(**c, gate=pool.gate)
+    codes, s_k, s_v, u, q = compress(S, pool.q0, pool.iters)
+    new = dict(codes=codes, s_k=s_k, s_v=s_v, u=u, q=q, w=torch.zeros_like(c["w"]))
+    if pool.gate == "kda":
+        new["pcum"] = torch.zeros_like(c["pcum"])
+        new["gbuf"] = torch.ones_like(c["gbuf"])
+    else:
+        new["pcum"] = torch.ones_like(c["pcum"])
+    return new
+
+
+def _graph_capturable(pool: "Pool") -> bool:
+    """Whether the reference must run without host synchronisation (a CUDA pool: the contract's ``check=False`` and
+    CUDA-graph capture); on the CPU a synchronisation costs nothing, so it gathers exactly the programs it writes."""
+    return pool.device.type != "cpu"
+
+
+def _put_rows(pool: "Pool", name: str, safe: torch.Tensor, src: torch.Tensor, final: torch.Tensor) -> None:
+    """The graph-capturable write: row n writes ``final[src[n]]`` (``[N, HV, ...]``, already what each (row, head)
+    must hold afterwards) over the heads of slot ``safe[src[n]]``. Rows naming one slot write the same bytes, and a
+    row naming no real slot rewrites a real row's (or, with none, slot ``safe[0]``'s unchanged) bytes: a static
+    number of index writes, no whole-tensor rewrite."""
+    dst = getattr(pool, name)
+    N, HV = final.shape[:2]
+    heads = torch.arange(HV, device=dst.device).expand(N, HV)
+    dst.index_put_((safe[src][:, None].expand(N, HV), heads), final[src].to(dst.dtype))
 
 
 class ReferenceBackend(Backend):
     """The fp32 reference as a backend: plain torch on any device, every shape. Slow; the definition of correct.
 
-    It computes every row of ``idx`` and writes the due programs back with masked copies over the whole pool, so
-    it needs no host synchronisation and launches the same work whatever is due (graph-capturable).
+    It writes only what the contract lets a call write, through indexed writes (never a whole pool tensor), so that
+    calls on disjoint slots from several threads do not undo each other. On the CPU it gathers, computes and writes
+    exactly the due programs (memory and time in proportion to them). On CUDA it takes a path without host
+    synchronisation that launches the same work for the same pool and ``N`` (graph-capturable): every row of ``idx``
+    is computed, and each named slot's heads are written back, unchanged where not due.
     """
 
     name = "reference"
@@ -249,39 +298,57 @@ class ReferenceBackend(Backend):
     def flush(self, pool: "Pool", idx: torch.Tensor) -> None:
         if idx.numel() == 0:
             return
-        real, safe, row, has = _rows(pool, idx)
-        due = real[:, None] & (pool.hcnt[safe] == pool.ring)  # [N, HV]
+        real, safe, first, src = _rows(pool, idx)
+        # due (SPEC §2), written once per call (the first row naming the slot), not already flushed (SPEC §2,
+        # idempotence)
+        cand = first[:, None] & (pool.hcnt[safe] == pool.ring)  # [N, HV]
+        if not _graph_capturable(pool):
+            n, h = cand.nonzero(as_tuple=True)
+            s = safe[n]
+            keep = ~ring_empty(pool.w[s, h], pool.pcum[s, h], pool.gate)
+            s, h = s[keep], h[keep]
+            if s.numel() == 0:
+                return
+            for name, new in _flushed(pool, _pairs(pool, s, h)).items():
+                dst = getattr(pool, name)
+                dst.index_put_((s, h), new.to(dst.dtype))
+            return
         c = pool._gather(safe)
-        S = rebuild(**c, gate=pool.gate)
-        codes, s_k, s_v, u, q = compress(S, pool.q0, pool.iters)
-        put = _writer(has[:, None] & due[row], row)
-        put(pool.codes, codes)
-        put(pool.s_k, s_k)
-        put(pool.s_v, s_v)
-        put(pool.u, u)
-        put(pool.q, q)
-        put(pool.w, torch.zeros_like(c["w"]))
-        if pool.gate == "kda":
-            put(pool.pcum, torch.zeros_like(c["pcum"]))
-            put(pool.gbuf, torch.ones_like(c["gbuf"]))
-        else:
-            put(pool.pcum, torch.ones_like(c["pcum"]))
+        write = cand & ~ring_empty(c["w"], c["pcum"], pool.gate)
+        for name, new in _flushed(pool, c).items():
+            m = write.reshape(write.shape + (1,) * (new.dim() - 2))
+            _put_rows(pool, name, safe, src, torch.where(m, new.to(c[name].dtype), c[name]))
 
     def step(self, pool: "Pool", idx: torch.Tensor, q, k, v, g, beta, scale: float, use_qk_l2norm: bool,
              out: torch.Tensor) -> None:
         self.flush(pool, idx)
         if idx.numel() == 0:
             return
-        real, safe, row, has = _rows(pool, idx)
+        real, safe, first, src = _rows(pool, idx)
+        G = pool.heads // q.shape[1]
+        q, k = q.repeat_interleave(G, 1), k.repeat_interleave(G, 1)
+        if not _graph_capturable(pool):
+            rows = real.nonzero().reshape(-1)  # every real row's output; only the first row of a slot writes it
+            c = pool._gather(safe[rows])
+            c["hcnt"] = pool.hcnt[safe[rows]]
+            ring, o = step_rows(c, q[rows], k[rows], v[rows], g[rows], beta[rows], gate=pool.gate, scale=scale,
+                                use_qk_l2norm=use_qk_l2norm)
+            o_all = torch.zeros(idx.numel(), *o.shape[1:], dtype=o.dtype, device=o.device)
+            o_all[rows] = o
+            out.copy_(o_all.to(out.dtype))
+            keep = first[rows]
+            s = safe[rows][keep]
+            for name, new in ring.items():
+                getattr(pool, name).index_copy_(0, s, new[keep].to(getattr(pool, name).dtype))
+            return
         c = pool._gather(safe)
         c["hcnt"] = pool.hcnt[safe]
-        G = pool.heads // q.shape[1]
-        ring, o = step_rows(c, q.repeat_interleave(G, 1), k.repeat_interleave(G, 1), v, g, beta, gate=pool.gate,
-                            scale=scale, use_qk_l2norm=use_qk_l2norm)
+        ring, o = step_rows(c, q, k, v, g, beta, gate=pool.gate, scale=scale, use_qk_l2norm=use_qk_l2norm)
         out.copy_(torch.where(real[:, None, None], o, torch.zeros_like(o)).to(out.dtype))
-        put = _writer(has[:, None].expand(-1, pool.heads), row)
-        for name, new_rows in ring.items():
-            put(getattr(pool, name), new_rows)
+        for name, new in ring.items():
+            old = c[name]
+            m = real.reshape((-1,) + (1,) * (new.dim() - 1))
+            _put_rows(pool, name, safe, src, torch.where(m, new.to(old.dtype), old))
 
     def load_states(self, pool: "Pool", slots: torch.Tensor, states: torch.Tensor, state_v_first: bool) -> None:
         pool._load_states_reference(slots.long(), states if state_v_first else states.transpose(-1, -2))

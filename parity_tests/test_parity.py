@@ -86,6 +86,8 @@ def test_zero_state(backend_device):
         pool.s_kv[0].fill_(float("nan"))
         pool.uq[0].fill_(float("nan"))
         pool.s_kv[1:].fill_(1.0)
+        # weights on zero entries: the ring adds nothing to S = 0, but it is not empty, so the flush runs (SPEC §2)
+        pool.w[1:].fill_(0.5)
         pool.hcnt.fill_(pool.ring)
         idx = torch.tensor([1, 2, 0], dtype=torch.int32, device=device)
         leapquant.flush(pool, idx, backend=backend)
