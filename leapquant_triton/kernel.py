@@ -31,6 +31,8 @@ PNMIN = tl.constexpr(constants.PNMIN)
 FP16_MAX = tl.constexpr(constants.FP16_MAX)
 # 1.5 * 2^23: adding it rounds an fp32 |x| <= 2^22 half to even, in the interpreter too (unlike libdevice's rint)
 RINT_MAGIC = tl.constexpr(12582912.0)
+# rows of idx compared per step of the scan for an earlier row naming the same slot (:func:`_named_before`)
+SCAN = tl.constexpr(256)
 
 # thread 0 asks for a pair's checkpoint region and kbuf, ubuf, gbuf and w rows in L2 (flag 0: nothing)
 _PREFETCH_ASM = tl.constexpr("""{
@@ -46,6 +48,36 @@ setp.ne.and.u32 p, $6, 0, p;
 @p cp.async.bulk.prefetch.L2.global [$5], $9;
 mov.u32 $0, 0;
 }""")
+
+
+# --- which due pairs a call flushes: once each, and only with something in the ring ----------------------------------
+
+
+@triton.jit
+def _named_before(idx, i_n, i_s):
+    """How many rows of ``idx`` before row ``i_n`` name slot ``i_s`` (>= 0). Only the first row naming a slot
+    flushes it: a repeat would flush it again, and on a GPU two programs would write its region at once."""
+    n_same = 0
+    for start in range(0, i_n, SCAN):
+        o_m = start + tl.arange(0, SCAN)
+        b_m = tl.load(idx + o_m, mask=o_m < i_n, other=-1)  # -1 is never a due row's slot
+        n_same += tl.sum((b_m.to(tl.int64) == i_s).to(tl.int32), axis=0)
+    return n_same
+
+
+@triton.jit
+def _ring_has_entries(p_w, p_pc, K: tl.constexpr, L: tl.constexpr, BL: tl.constexpr, IS_KDA: tl.constexpr):
+    """Whether the pair's ring holds anything since its last flush: not every ``w`` zero, or the checkpoint's scale
+    not the identity (KDA ``pcum`` not all 0, GDN ``pcum != 1``). A ring in the state a flush's reset leaves is not
+    flushed again (SPEC §2): its state is its checkpoint, and re-compressing it would only add error. NaN counts as
+    something."""
+    o_l = tl.arange(0, BL)
+    n_live = tl.sum((tl.load(p_w + o_l, mask=o_l < L, other=0.0) != 0.0).to(tl.int32), axis=0)
+    if IS_KDA:
+        n_live += tl.sum((tl.load(p_pc + tl.arange(0, K)) != 0.0).to(tl.int32), axis=0)
+    else:
+        n_live += (tl.load(p_pc) != 1.0).to(tl.int32)
+    return n_live > 0
 
 
 # --- the list schedule ------------------------------------------------------------------------------------------------
@@ -79,10 +111,11 @@ def _prefetch(work, n_due, q, codes, kbuf, ubuf, w, gbuf, HV, SS, K: tl.constexp
 
 
 @triton.jit
-def due_list_kernel(idx, hcnt, work, NS, HV, FIRST: tl.constexpr, L: tl.constexpr, HB: tl.constexpr,
-                    PDL: tl.constexpr):
+def due_list_kernel(idx, hcnt, w, pcum, work, NS, HV, FIRST: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
+                    HB: tl.constexpr, IS_KDA: tl.constexpr, PDL: tl.constexpr):
     """Grid ``(N,)``: appends row n's due pairs as ``slot HV + head`` to ``work[1:]`` and counts them in ``work[0]``
-    (zeroed before): one atomic add per row, a prefix sum within it."""
+    (zeroed before): one atomic add per row, a prefix sum within it. A pair is listed if it is due, row n is the
+    first row naming its slot (at most once per call) and its ring holds something (idempotence)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()  # the flush may start: it waits for this grid before reading work
@@ -91,7 +124,22 @@ def due_list_kernel(idx, hcnt, work, NS, HV, FIRST: tl.constexpr, L: tl.constexp
     o_h = tl.arange(0, HB)
     # a select: Triton 3.9's interpreter rejects `&` of a block and a scalar comparison as a mask
     m_h = tl.where((i_s >= FIRST) & (i_s < NS), o_h < HV, False)
-    b_due = (tl.load(hcnt + i_s * HV + o_h, mask=m_h, other=0) == L).to(tl.int32)
+    b_due = tl.load(hcnt + i_s * HV + o_h, mask=m_h, other=0) == L
+    b_due = tl.where(_named_before(idx, i_n, i_s) == 0, b_due, False)
+    # the rings of the due heads only (masked loads: nothing is read for the others)
+    o_sh = i_s * HV + o_h
+    o_l = tl.arange(0, L)
+    b_w = tl.load(w + o_sh[:, None] * L + o_l[None, :], mask=b_due[:, None] & (o_l[None, :] < L), other=0.0)
+    n_live = tl.sum((b_w != 0.0).to(tl.int32), axis=1)
+    if IS_KDA:
+        for c in tl.static_range(0, K, 32):  # [HB, 32] at a time: 32 values per lane of the one warp
+            o_k = c + tl.arange(0, 32)
+            b_pc = tl.load(pcum + o_sh[:, None] * K + o_k[None, :], mask=b_due[:, None] & (o_k[None, :] < K),
+                           other=0.0)
+            n_live += tl.sum((b_pc != 0.0).to(tl.int32), axis=1)
+    else:
+        n_live += (tl.load(pcum + o_sh, mask=b_due, other=1.0) != 1.0).to(tl.int32)
+    b_due = (b_due & (n_live > 0)).to(tl.int32)
     n_due = tl.sum(b_due, axis=0)
     if n_due > 0:
         base = tl.atomic_add(work, n_due)
@@ -436,6 +484,12 @@ def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum,
                                                                 i_sh, K, V, L, IS_KDA)
     b_s = _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, q0, p_e, p_qt, m_q, K, V, L, R, BL, BR, IS_KDA,
                    BF16_DOTS)
+    if not LIST:
+        # what due_list_kernel decides for the list: once per call, and nothing for an empty ring. Here, after the
+        # rebuild's loads, so that its w and pcum come from L1 and the scan's latency is not added before them; the
+        # pool is not written before this point
+        if (_named_before(idx, i_n, i_s) > 0) | ~_ring_has_entries(p_w, p_pc, K, L, BL, IS_KDA):
+            return
     _subspace_iteration(b_s, p_y, p_gram, p_cn, p_q16, p_qt, m_q, V, R, BR, ITERS)
     b_q16, b_ut16 = _new_factors(b_s, p_cn, p_qt, m_q)
     b_s = _residual(b_s, b_q16, b_ut16)
