@@ -14,6 +14,11 @@ time. A consumer group runs one program as these phases, in this order (SPEC §3
 * ``release_stage``: the stage goes back to the producer;
 * ``column_scales`` (step 8), ``quantise_rows`` (step 9: row scales and codes), ``reset_ring`` (step 10).
 
+A program whose ring holds nothing since its last flush (SPEC §2: every ``w`` zero, KDA ``pcum`` all 0, GDN
+``pcum = 1``) only hands its stage back (``ring_has_entries``), and the compaction lists a (slot, head) only for the
+first row of ``idx`` naming the slot (``named_before``): a flush is idempotent and flushes each (slot, head) at most
+once, whatever ``idx`` repeats.
+
 Numerics (the seed's deployed configuration, SPEC §3 last paragraph):
 
 * ``B`` is kept fp16 in shared memory for the subspace products (fp16 mma, fp32 accumulate); the old rank-R part is
@@ -338,6 +343,16 @@ def flush_kernel(
 
     # ---- compaction: every CTA ranks all due programs the same way and keeps those of rank == bid (mod SMS) ----
     @T.macro
+    def named_before(pool: PoolViews, row, slot, wlane, hit: T.Buffer):
+        """``hit[0]`` nonzero iff a row of ``idx`` before ``row`` names ``slot`` (warp-uniform; 32 rows per load, a
+        ballot each): such a row's due flags are dropped, so that a slot named twice is flushed once. The warp's lanes
+        must all run it (``row`` and ``slot`` are the same in every lane)."""
+        hit[0] = T.uint32(0)
+        for c in T.serial(T.ceildiv(row, 32)):
+            m = c * 32 + wlane
+            hit[0] = hit[0] | warp_ballot((m < row) & (pool.idx[T.min(m, N - 1)] == slot))
+
+    @T.macro
     def load_tail(ck, wid, wlane, pool: PoolViews, sl8: T.Buffer, hc8: T.Buffer):
         """Slots and fill counts of the warp's n-steps KMAX + 8 ck .. KMAX + 8 ck + 7 (batches past KMAX * NWARPS
         rows), clamped like the register steps."""
@@ -368,20 +383,30 @@ def flush_kernel(
             slk[k] = pool.idx[T.max(T.min(wid + NWARPS * k, N - 1), 0)]
         for k in T.unroll(KMAX):
             hck[k] = pool.hcnt[T.min(T.max(slk[k], 0), NS - 1), wlane]
+        hit = T.alloc_local((1,), "uint32")
         for k in T.unroll(KMAX):
             f = due_flag(k, wid + NWARPS * k, slk[k], hck[k], kn[0])
             mk[k] = warp_ballot(f)
+            if mk[k] != T.uint32(0):  # a row with a due head: only the first row naming its slot keeps it
+                named_before(pool, wid + NWARPS * k, slk[k], wlane, hit)
+                if hit[0] != T.uint32(0):
+                    mk[k] = T.uint32(0)
             cnt[0] += popc(mk[k])
         sl8 = T.alloc_local((8,), I32)
         hc8 = T.alloc_local((8,), I32)
+        tb = T.alloc_local((1,), "uint32")
         # the tail (N > KMAX * NWARPS only): serial chunks of 8 n-steps, flags recomputed in the rank pass
         for ck in T.serial(T.ceildiv(kn[0] - KMAX, 8)):
             load_tail(ck, wid, wlane, pool, sl8, hc8)
             for j in T.unroll(8):
                 k = KMAX + ck * 8 + j
                 f = due_flag(k, wid + NWARPS * k, sl8[j], hc8[j], kn[0])
-                ballot = warp_ballot(f)
-                cnt[0] += popc(ballot)
+                tb[0] = warp_ballot(f)
+                if tb[0] != T.uint32(0):
+                    named_before(pool, wid + NWARPS * k, sl8[j], wlane, hit)
+                    if hit[0] != T.uint32(0):
+                        tb[0] = T.uint32(0)
+                cnt[0] += popc(tb[0])
         if wlane == 0:
             sm.warp_due[wid] = cnt[0]
         T.sync_threads(14, NT)
@@ -416,12 +441,16 @@ def flush_kernel(
                 for j in T.unroll(8):
                     k = KMAX + ck * 8 + j
                     f = due_flag(k, wid + NWARPS * k, sl8[j], hc8[j], kn[0])
-                    m = warp_ballot(f)
-                    if f == 1:
-                        rank = base[0] + popc(m & lmask)
+                    tb[0] = warp_ballot(f)
+                    if tb[0] != T.uint32(0):  # the same drop as in the count pass
+                        named_before(pool, wid + NWARPS * k, sl8[j], wlane, hit)
+                        if hit[0] != T.uint32(0):
+                            tb[0] = T.uint32(0)
+                    if ((tb[0] >> T.cast(wlane, "uint32")) & T.uint32(1)) == T.uint32(1):
+                        rank = base[0] + popc(tb[0] & lmask)
                         if (rank % sms == bid) & (rank // sms < MAXIT):
                             sm.due_list[rank // sms] = sl8[j] * HV + wlane
-                    base[0] += popc(m)
+                    base[0] += popc(tb[0])
         if tx == 0:
             sm.due_count[0] = T.min(T.max(T.ceildiv(tot[0] - bid, sms), 0), MAXIT)
 
@@ -507,6 +536,21 @@ def flush_kernel(
         T.mbarrier_wait_parity(sm.loaded[th.g], it0 & 1)
         slot = q // HV
         return slot, hv
+
+    @T.macro
+    def ring_has_entries(th: Thread, sm: Shared, pool: PoolViews, slot, hv, live: T.Buffer):
+        """``live[0]`` nonzero iff the program's ring holds something since its last flush: a nonzero weight, or the
+        checkpoint's scale not the identity (KDA pcum from the stage, GDN pcum from the pool). Every thread of the group
+        reads every value itself (broadcast reads of the stage), so the result is the group's without a reduction; NaN
+        counts as something."""
+        live[0] = 0
+        for j in T.unroll(L):
+            live[0] = live[0] | T.if_then_else(sm.weights[th.g, j] != 0.0, 1, 0)
+        if KDA:
+            for c in T.unroll(K):
+                live[0] = live[0] | T.if_then_else(sm.pcum[th.g, c] != 0.0, 1, 0)
+        else:
+            live[0] = live[0] | T.if_then_else(pool.pcum[slot, hv, 0] != 1.0, 1, 0)
 
     # ---- SPEC §3 steps 1-4, the rebuild: B = the state minus the old rank-R part, fp16 into state_shared ----
     @T.macro
@@ -1116,20 +1160,25 @@ def flush_kernel(
                 bar = 8 + g  # the group's named barrier
                 th = Thread(g=g, t=t, wp=wp, lane=lane, q4=q4, r0=r0, bar=bar)
                 rg = consumer_registers(th, sm)
+                live = T.alloc_local((1,), I32)
                 for it0 in T.serial(T.ceildiv(due_count[0] - g, NCG)):
                     slot, hv = wait_program(th, sm, it0)
-                    pn = rebuild(th, sm, rg, pool, slot, hv)  # SPEC §3 steps 1-4
-                    for itr in T.serial(ITERS + 1):  # step 5; the last round's P = S^T Q16 is step 6's U
-                        product_p(pn, th, sm, rg)
-                        if itr < ITERS:
-                            product_q(pn, th, sm, rg)
-                            cholesky_qr2(th, sm)
-                    store_factors(th, sm, rg, pool, slot, hv)  # step 6
-                    residual(th, sm, rg, pn)  # step 7
-                    release_stage(th, sm)
-                    column_scales(th, sm, rg, pool, slot, hv)  # step 8
-                    quantise_rows(th, sm, rg, pool, slot, hv)  # step 9
-                    reset_ring(th, pool, slot, hv)  # step 10
+                    ring_has_entries(th, sm, pool, slot, hv, live)
+                    if live[0] != 0:  # the same in every thread of the group
+                        pn = rebuild(th, sm, rg, pool, slot, hv)  # SPEC §3 steps 1-4
+                        for itr in T.serial(ITERS + 1):  # step 5; the last round's P = S^T Q16 is step 6's U
+                            product_p(pn, th, sm, rg)
+                            if itr < ITERS:
+                                product_q(pn, th, sm, rg)
+                                cholesky_qr2(th, sm)
+                        store_factors(th, sm, rg, pool, slot, hv)  # step 6
+                        residual(th, sm, rg, pn)  # step 7
+                        release_stage(th, sm)
+                        column_scales(th, sm, rg, pool, slot, hv)  # step 8
+                        quantise_rows(th, sm, rg, pool, slot, hv)  # step 9
+                        reset_ring(th, pool, slot, hv)  # step 10
+                    else:  # flushed already (SPEC §2): nothing is written, the stage goes back
+                        release_stage(th, sm)
                     group_sync(th)  # state_shared / newf_shared reuse by the group's next program
 
     return flush
