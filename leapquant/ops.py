@@ -16,7 +16,8 @@ from typing import Literal, Optional
 import torch
 
 from .backends import Backend, resolve_cached
-from .checks import check_idx, check_idx_layout, check_pool, check_step_inputs, token_rows
+from .checks import (check_idx, check_idx_layout, check_pool, check_pool_layout, check_pool_type, check_pool_values,
+                     check_run_inputs, check_step_inputs, token_rows)
 from .pool import Pool
 
 BackendName = Literal["auto", "reference", "triton", "tilelang"] | str
@@ -51,25 +52,40 @@ def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: b
         backend: ``"auto"`` (the fastest backend that supports this pool here), ``"reference"`` (fp32 torch, any
             device), ``"triton"`` (CUDA sm_80+; CPU under ``TRITON_INTERPRET=1``), ``"tilelang"`` (CUDA sm_90 /
             sm_100, 32 heads of 128 x 128, ring 16), or the name of a backend registered by another package.
-        check: validate the pool and the values of ``idx`` first (reads ``idx`` on the host: a synchronisation).
-            Pass ``False`` on the hot path and under CUDA-graph capture: then only ``idx``'s dtype, shape, device and
-            contiguity are checked (metadata, no synchronisation), and out-of-range entries are skipped, never written.
+        check: also validate the values (reads ``idx`` and ``q0`` on the host: a synchronisation): ``idx`` in
+            range, no real slot named twice, ``q0`` finite. Pass ``False`` on the hot path and under CUDA-graph
+            capture: then only metadata is checked (no synchronisation), out-of-range entries are skipped, never
+            written, and a slot named twice is flushed once. Under ``torch.compile`` the value checks run inside the
+            op, at run time.
+
+    Whatever ``check``, the pool's and ``idx``'s metadata is checked (dtypes, shapes, strides, devices, storage
+    sizes; the pool's only after one of its attributes was assigned), each (slot, head) is flushed at most once, and
+    a program whose ring holds nothing since its last flush is left as it is (SPEC §5, "Guarantees").
 
     Raises:
-        TypeError, ValueError: a wrong dtype, shape, device or stride of ``idx``; with ``check=True`` also of the
-            pool's tensors, an ``idx`` value out of range, or a slot named twice.
+        TypeError, ValueError: a wrong type, dtype, shape, device or stride of ``pool``'s tensors or of ``idx``; with
+            ``check=True`` also an ``idx`` value out of range, a slot named twice, or a non-finite ``q0``.
         leapquant.BackendError: unknown backend, or one that cannot run here (the message says why).
     """
+    check_pool_type(pool)
+    check_idx_layout(pool, idx)
+    if torch.compiler.is_compiling():
+        # the op resolves the name and checks the pool when it runs (the choice reads entry points and device
+        # properties, the checks tensors' storage and values: not traceable)
+        torch.ops.leapquant.flush(*op_args(pool, idx, backend), check=bool(check))
+        return
+    _check_call(pool, idx, check)
+    _on_pool_device(pool, select(pool, backend).flush, pool, idx)
+
+
+def _check_call(pool: Pool, idx: torch.Tensor, check: bool) -> None:
+    """The checks of ``flush`` and ``step`` on the pool and ``idx`` (whose layout the caller has checked)."""
     if check:
         check_pool(pool)
+        check_pool_values(pool)
         check_idx(pool, idx)
     else:
-        check_idx_layout(pool, idx)
-    if not torch.compiler.is_compiling():
-        _on_pool_device(pool, select(pool, backend).flush, pool, idx)
-        return
-    # the op resolves the name when it runs (the choice reads entry points and device properties: not traceable)
-    torch.ops.leapquant.flush(*op_args(pool, idx, backend))
+        check_pool_layout(pool)
 
 
 def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -95,7 +111,8 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         out: ``[B, HV, V]`` (or ``[B, 1, HV, V]``) in q's dtype to write ``o`` into; default a new tensor.
         backend: ``"auto"`` (the fastest backend with a decode step that supports the pool), ``"reference"``,
             ``"triton"``, or a registered backend's name.
-        check: as for :func:`flush` (with ``False``: metadata only, no host synchronisation, graph-capturable).
+        check: as for :func:`flush` (with ``False``: metadata only, no host synchronisation, graph-capturable). A
+            slot named twice with ``check=False`` is flushed once; its ring update and output are undefined.
 
     Returns:
         ``o`` ``[B, HV, V]`` in q's dtype (``out``'s ``[B, HV, V]`` view when given), accumulated in fp32.
@@ -105,11 +122,10 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             ``check=True`` also the pool's tensors, an ``idx`` value out of range or a slot named twice.
         leapquant.BackendError: an unknown backend, or one that cannot decode this pool here.
     """
-    if check:
-        check_pool(pool)
-        check_idx(pool, idx)
-    else:
-        check_idx_layout(pool, idx)
+    check_pool_type(pool)
+    check_idx_layout(pool, idx)
+    if not torch.compiler.is_compiling():
+        _check_call(pool, idx, check)
     B = idx.numel()
     q, k, v, beta = (token_rows(t, n, d, B) for t, n, d in ((q, "q", 3), (k, "k", 3), (v, "v", 3), (beta, "beta", 2)))
     g = token_rows(g, "g", 3 if pool.gate == "kda" else 2, B)
@@ -123,7 +139,7 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                         bool(use_qk_l2norm), o)
         return o
     torch.ops.leapquant.step(*op_args(pool, idx, backend)[:-1], q, k, v, g, beta, o, scale, bool(use_qk_l2norm),
-                             backend)
+                             backend, check=bool(check))
     return o
 
 
@@ -145,12 +161,16 @@ def _on_pool_device(pool: Pool, fn, *args) -> None:
         fn(*args)
 
 
-def _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, num_slots, heads, head_k, head_v, ring, rank, gate,
-             convention, iters) -> Pool:
-    """The pool a custom op's arguments describe (the op takes tensors and numbers, not a Pool)."""
-    return Pool.from_tensors(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, num_slots=num_slots, heads=heads,
+def _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, idx, num_slots, heads, head_k, head_v, ring, rank, gate,
+             convention, iters, check) -> Pool:
+    """The pool a custom op's arguments describe (the op takes tensors and numbers, not a Pool), its metadata checked
+    (``Pool.from_tensors``), and with ``check`` the values of ``idx`` and ``q0``."""
+    pool = Pool.from_tensors(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, num_slots=num_slots, heads=heads,
                              head_k=head_k, head_v=head_v, ring=ring, rank=rank, gate=gate, convention=convention,
                              iters=iters)
+    check_idx_layout(pool, idx)
+    _check_call(pool, idx, check)
+    return pool
 
 
 @torch.library.custom_op(
@@ -176,9 +196,10 @@ def _flush_op(
     convention: str,
     iters: int,
     backend: str,
+    check: bool = False,
 ) -> None:
-    pool = _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, num_slots, heads, head_k, head_v, ring, rank, gate,
-                    convention, iters)
+    pool = _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, idx, num_slots, heads, head_k, head_v, ring, rank, gate,
+                    convention, iters, check)
     _on_pool_device(pool, select(pool, backend).flush, pool, idx)
 
 
@@ -218,9 +239,10 @@ def _step_op(
     scale: float,
     use_qk_l2norm: bool,
     backend: str,
+    check: bool = False,
 ) -> None:
-    pool = _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, num_slots, heads, head_k, head_v, ring, rank, gate,
-                    convention, iters)
+    pool = _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, idx, num_slots, heads, head_k, head_v, ring, rank, gate,
+                    convention, iters, check)
     _on_pool_device(pool, select_step(pool, backend).step, pool, idx, q, k, v, g, beta, scale, use_qk_l2norm, out)
 
 
@@ -240,10 +262,7 @@ def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0, backend: BackendNa
     Returns:
         ``(codes, s_k, s_v, u, q)``, new tensors of the input shapes.
     """
-    if not isinstance(codes, torch.Tensor) or codes.dim() != 4:
-        raise ValueError("codes must be an int8 tensor [B, HV, V, K]")
-    B, HV, V, K = codes.shape
-    R, L = u.shape[-2], kbuf.shape[-2]
+    B, HV, V, K, R, L = check_run_inputs(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0)
     gate = "kda" if gbuf is not None else "gdn"
     pool = Pool(B + 1, HV, K, V, L, R, gate=gate, device=codes.device, q0=q0, iters=iters)
     rows = slice(1, B + 1)

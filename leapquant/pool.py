@@ -53,6 +53,37 @@ class Geometry:
         return V * K + 4 * K + 4 * V + 2 * R * (K + V)
 
 
+def view_layouts(geo: Geometry, raw_offset: int = 0) -> dict[str, tuple]:
+    """Each view of ``raw`` (SPEC §2) as ``name -> (dtype, shape, strides, storage offset)``, offsets and strides in
+    the view's elements, for a ``raw`` starting at fp32 element ``raw_offset`` of its storage."""
+    NS, HV, K, V, R = geo.num_slots, geo.heads, geo.head_k, geo.head_v, geo.rank
+    SS, VK = geo.slot_stride, geo.region_words
+    w0 = raw_offset + BASE_WORDS  # slot 0's region, in fp32 words of the storage
+    uq = (torch.float16, (NS, HV, R, K + V), (2 * SS, 2 * VK, K + V, 1), 2 * (w0 + VK // 4 + K + V))
+    return {
+        "codes": (torch.int8, (NS, HV, V, K), (4 * SS, 4 * VK, K, 1), 4 * w0),
+        "codes32": (torch.int32, (NS, HV, V, K // 4), (SS, VK, K // 4, 1), w0),
+        "s_k": (torch.float32, (NS, HV, K), (SS, VK, 1), w0 + VK // 4),
+        "s_v": (torch.float32, (NS, HV, V), (SS, VK, 1), w0 + VK // 4 + K),
+        "s_kv": (torch.float32, (NS, HV, K + V), (SS, VK, 1), w0 + VK // 4),
+        "uq": uq,
+        "u": (torch.float16, (NS, HV, R, K), uq[2], uq[3]),
+        "q": (torch.float16, (NS, HV, R, V), uq[2], uq[3] + K),
+    }
+
+
+def _restore(tensors: dict, geometry: dict, convention: str, iters: int) -> "Pool":
+    """What a pickled :class:`Pool` is rebuilt by: the views of ``raw`` made afresh over the loaded tensors (checked
+    by :meth:`Pool.from_tensors`, like any other tensors)."""
+    return Pool.from_tensors(**tensors, **geometry, convention=convention, iters=iters)
+
+
+# torch.load's default weights_only=True may rebuild a pool: _restore takes only tensors, ints and strings, and checks
+# them before it builds anything
+if hasattr(torch.serialization, "add_safe_globals"):
+    torch.serialization.add_safe_globals([_restore])
+
+
 def start_matrix(head_v: int, rank: int) -> torch.Tensor:
     """The fixed start matrix ``Q0 [V, R]`` of the subspace iteration (fp32, orthonormal columns).
 
@@ -110,7 +141,7 @@ class Pool:
         q0: torch.Tensor | None = None,
         iters: int = 1,
     ):
-        from .checks import check_geometry, check_iters
+        from .checks import check_geometry, check_iters, check_pool
 
         geo = Geometry(num_slots, heads, head_k, head_v, ring, rank, gate)
         check_geometry(geo, convention)
@@ -133,38 +164,52 @@ class Pool:
         q0 = q0.to(device=device, dtype=torch.float32).contiguous()
         self._bind(geo, convention, iters, raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0)
         self.s_kv.fill_(EPS)
+        check_pool(self)  # q0 came from the caller
 
     @classmethod
     def from_tensors(cls, raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, *, num_slots, heads, head_k, head_v, ring, rank,
                      gate, convention="vllm", iters=1) -> "Pool":
-        """A pool over existing tensors (no copy): how the custom op rebuilds its argument. Views of ``raw`` are
-        made afresh; the caller guarantees the shapes (``flush(check=True)`` has checked them)."""
+        """A pool over existing tensors (no copy): how the custom op and unpickling rebuild one. Views of ``raw`` are
+        made afresh. Every tensor's metadata is checked first (no synchronisation): a wrong dtype, shape, device,
+        stride, alignment, a storage too short, or two tensors sharing bytes raise a ValueError or TypeError naming
+        it; the caller's storage is never resized."""
+        from .checks import POOL_BASE, check_geometry, check_iters, check_pool_tensors
+
         pool = cls.__new__(cls)
         geo = Geometry(num_slots, heads, head_k, head_v, ring, rank, gate)
+        check_geometry(geo, convention)
+        check_iters(iters)
+        tensors = dict(zip(POOL_BASE, (raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0)))
+        check_pool_tensors(geo, tensors)  # before the views are set up: set_ would grow a storage too short
         pool._bind(geo, convention, iters, raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0)
+        object.__setattr__(pool, "_checked", True)  # the views were just made to the layout
         return pool
 
     def _bind(self, geo, convention, iters, raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0) -> None:
         self.geometry = geo
         self.convention: Convention = convention
         self.iters = iters
-        NS, HV, K, V, R = geo.num_slots, geo.heads, geo.head_k, geo.head_v, geo.rank
-        SS, OFF, VK = geo.slot_stride, BASE_WORDS, geo.region_words
         self.raw = raw
         st = raw.untyped_storage()
-
-        def view(dtype, shape, strides, offset):
-            return torch.empty(0, dtype=dtype, device=raw.device).set_(st, offset, shape, strides)
-
-        self.codes = view(torch.int8, (NS, HV, V, K), (4 * SS, 4 * VK, K, 1), 4 * OFF)
-        self.codes32 = view(torch.int32, (NS, HV, V, K // 4), (SS, VK, K // 4, 1), OFF)
-        self.s_k = view(torch.float32, (NS, HV, K), (SS, VK, 1), OFF + VK // 4)
-        self.s_v = view(torch.float32, (NS, HV, V), (SS, VK, 1), OFF + VK // 4 + K)
-        self.s_kv = view(torch.float32, (NS, HV, K + V), (SS, VK, 1), OFF + VK // 4)
-        self.uq = view(torch.float16, (NS, HV, R, K + V), (2 * SS, 2 * VK, K + V, 1), 2 * (OFF + VK // 4 + K + V))
-        self.u = self.uq[..., :K]
-        self.q = self.uq[..., K:]
+        for name, (dtype, shape, strides, offset) in view_layouts(geo, raw.storage_offset()).items():
+            setattr(self, name, torch.empty(0, dtype=dtype, device=raw.device).set_(st, offset, shape, strides))
         self.kbuf, self.ubuf, self.w, self.pcum, self.gbuf, self.hcnt, self.q0 = kbuf, ubuf, w, pcum, gbuf, hcnt, q0
+
+    def __setattr__(self, name, value) -> None:
+        # a replaced tensor (or geometry) is checked again before the next launch (checks.check_pool_layout)
+        if not name.startswith("_"):
+            object.__setattr__(self, "_checked", False)
+        object.__setattr__(self, name, value)
+
+    def __reduce__(self):
+        """Pickling and ``torch.save``: the base tensors and the geometry; loading rebuilds the pool through
+        :meth:`from_tensors`, so its views alias the loaded ``raw`` again (a pickled view would be a detached copy)."""
+        from .checks import POOL_BASE
+
+        g = self.geometry
+        geometry = dict(num_slots=g.num_slots, heads=g.heads, head_k=g.head_k, head_v=g.head_v, ring=g.ring,
+                        rank=g.rank, gate=g.gate)
+        return _restore, ({n: getattr(self, n) for n in POOL_BASE}, geometry, self.convention, self.iters)
 
     # geometry shorthands, named as in the SPEC
     num_slots = property(lambda self: self.geometry.num_slots)
@@ -195,10 +240,9 @@ class Pool:
         )
 
     def _slots(self, slots: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        s = torch.as_tensor(slots, dtype=torch.long, device=self.device).reshape(-1)
-        if s.numel() and (int(s.min()) < 0 or int(s.max()) >= self.num_slots):
-            raise ValueError(f"slots must lie in [0, {self.num_slots}), got {s.tolist()}")
-        return s
+        from .checks import check_slots
+
+        return check_slots(self, slots)
 
     def checkpoint(self, slots) -> dict[str, torch.Tensor]:
         """The checkpoint and ring of ``slots`` gathered into fresh dense tensors, keyed by the names of ``run``."""
@@ -239,9 +283,13 @@ class Pool:
                     state_v_first: bool = True) -> None:
         """Compress fp32 ``states`` (``[len(slots), HV, V, K]``, or FLA's ``[len(slots), HV, K, V]`` with
         ``state_v_first=False``) into those slots' checkpoints (SPEC §3 steps 5-10, §5) and empty their rings
-        (``hcnt = 0``). ``backend`` and ``check`` as for :meth:`states`."""
+        (``hcnt = 0``). ``backend`` and ``check`` as for :meth:`states`; ``check=True`` also refuses non-finite states
+        and ``max|S| > 2^64`` (:func:`.checks.check_state_values`)."""
         from . import states as _states
+        from .checks import check_state_values
 
+        if check:
+            check_state_values(states)
         _states.load_states(self, slots, states, backend=backend, check=check, state_v_first=state_v_first)
 
     def _load_states_reference(self, s: torch.Tensor, S: torch.Tensor) -> None:
@@ -273,21 +321,13 @@ class Pool:
                 decay ``a = exp(g)``).
 
         A slot whose ``hcnt == L`` is taken as flushed (its next entry is 0): unlike :func:`leapquant.step`, this does
-        not flush, so flush due slots before appending.
+        not flush, so flush due slots before appending. Raises ValueError for a repeated slot, a fill count outside
+        ``[0, L]``, non-finite inputs or a gate whose stored form would overflow (:func:`.checks.check_append`).
         """
-        s = self._slots(slots)
-        B, HV, K, V = s.numel(), self.heads, self.head_k, self.head_v
-        dev = self.device
-        k = k.to(dev, torch.float32)
-        v = v.to(dev, torch.float32)
-        g = g.to(dev, torch.float32)
-        beta = beta.to(dev, torch.float32)
-        if k.shape != (B, HV, K) or v.shape != (B, HV, V) or beta.shape != (B, HV):
-            raise ValueError("append: k, v, beta must be [B, HV, K], [B, HV, V], [B, HV]")
-        want_g = (B, HV, K) if self.gate == "kda" else (B, HV)
-        if g.shape != want_g:
-            raise ValueError(f"append: g must be {list(want_g)} for gate {self.gate!r}, got {list(g.shape)}")
-        c = self.checkpoint(s)
+        from .checks import check_append
+
+        s, k, v, g, beta = check_append(self, slots, k, v, g, beta)
+        c = self._gather(s)
         c["hcnt"] = self.hcnt[s]
         # the decode step's ring update (its output is not needed here)
         ring, _ = reference.step_rows(c, k, k, v, g, beta, gate=self.gate, scale=1.0)
