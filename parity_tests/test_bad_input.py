@@ -1,0 +1,575 @@
+"""Bad and edge inputs: each case raises a TypeError or ValueError that names the argument, or leaves every byte it
+may not write unchanged (compared as bytes: int8 codes read as fp32 can be NaN, and NaN != NaN). SPEC §5,
+"Guarantees".
+
+The cases of issue 26, each with a test that fails on the code before the change (the issue's numbering):
+
+1. a second flush with no token in between re-compressed: ``test_flush_twice_changes_nothing``,
+   ``test_step_after_flush_is_the_step``;
+2. a repeated slot with ``check=False`` was flushed once per repeat: ``test_repeated_slot_is_flushed_once``;
+3. tiny states gave NaN in the reference: ``test_fully_decayed_head_compresses_to_zeros``,
+   ``test_load_states_of_tiny_states``;
+4. the reference rewrote whole pool tensors: ``test_reference_computes_only_the_due_programs``,
+   ``test_threads_flushing_disjoint_slots``;
+5. ``Pool.from_tensors`` took short, too-small and strided tensors: ``test_from_tensors_refuses``,
+   ``test_from_tensors_never_resizes_raw``;
+6. a wrong or NaN ``q0``: ``test_bad_q0_is_refused``, ``test_nan_q0_with_check``;
+7. ``append`` / ``load_states`` inputs: ``test_append_refuses``, ``test_load_states_refuses``;
+8. pickling: ``test_pickled_pool_aliases_raw``;
+9. unclear messages: ``test_clear_messages``, ``test_compile_with_check``.
+
+The Triton kernel runs through its interpreter on the CPU (the conftest sets ``TRITON_INTERPRET=1``), on small pools
+(64 x 64 heads, two heads), in both of its schedules.
+"""
+
+import copy
+import io
+import pickle
+import threading
+
+import pytest
+import torch
+
+import leapquant
+from leapquant import parity
+from leapquant.workloads import fill
+
+from .conftest import backends_here
+
+BACKENDS = ["reference"] + (["triton:grid", "triton:list"] if "triton" in backends_here("cpu") else [])
+GATES = ["kda", "gdn"]
+
+
+def _pool(gate="kda", num_slots=6, heads=2, convention="vllm", seed=1, due=None):
+    pool = leapquant.Pool(num_slots, heads, 64, 64, 16, 4, gate=gate, convention=convention)
+    first = 1 if convention == "vllm" else 0
+    fill(pool, list(range(first, num_slots)), "gaussian", torch.Generator().manual_seed(seed), due=due)
+    return pool
+
+
+def _twin(pool):
+    twin = leapquant.Pool(pool.num_slots, pool.heads, pool.head_k, pool.head_v, pool.ring, pool.rank, gate=pool.gate,
+                          convention=pool.convention)
+    parity.restore(twin, parity.snapshot(pool))
+    return twin
+
+
+def _flush(backend, pool, idx, monkeypatch, check=True):
+    """``leapquant.flush`` with ``backend`` (``"triton:grid"`` / ``"triton:list"``: that schedule of the kernel)."""
+    if backend.startswith("triton:"):
+        import leapquant_triton.host as host
+
+        monkeypatch.setattr(host, "schedule_for", lambda rows, heads, s=backend.split(":")[1]: s)
+        backend = "triton"
+    leapquant.flush(pool, idx, backend=backend, check=check)
+
+
+def _same_bytes(a: dict, b: dict) -> list[str]:
+    return [n for n in a if not torch.equal(a[n], b[n])]
+
+
+def _i32(*values):
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# --- 1. idempotence ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flush_twice_changes_nothing(backend, gate, monkeypatch):
+    """A flushed ring is empty: flushing it again, with no token in between, writes no byte (it used to compress the
+    state again, the error growing flush after flush)."""
+    pool = _pool(gate)
+    idx = _i32(3, 1, 0, 4)
+    _flush(backend, pool, idx, monkeypatch)
+    once = parity.snapshot(pool)
+    assert _same_bytes(once, parity.snapshot(_pool(gate))), "the first flush must write something"
+    _flush(backend, pool, idx, monkeypatch, check=False)
+    assert _same_bytes(once, parity.snapshot(pool)) == []
+
+
+@pytest.mark.parametrize("gate", GATES)
+def test_step_after_flush_is_the_step(gate):
+    """``step`` on rings a ``flush`` just emptied writes entry 0 without flushing again: the same bytes and output as
+    a ``step`` that flushes the full rings itself."""
+    B, HV, K, V = 3, 2, 64, 64
+    a = _pool(gate, num_slots=B + 1)
+    b = _twin(a)
+    idx = torch.arange(1, B + 1, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(5)
+    q, k = torch.randn(B, HV, K, generator=gen), torch.nn.functional.normalize(torch.randn(B, HV, K, generator=gen), dim=-1)
+    v = torch.randn(B, HV, V, generator=gen)
+    g = -0.1 * torch.rand(*((B, HV, K) if gate == "kda" else (B, HV)), generator=gen)
+    beta = torch.rand(B, HV, generator=gen)
+    leapquant.flush(a, idx, backend="reference")
+    o_a = leapquant.step(a, idx, q, k, v, g, beta, backend="reference")
+    o_b = leapquant.step(b, idx, q, k, v, g, beta, backend="reference")
+    assert _same_bytes(parity.snapshot(a), parity.snapshot(b)) == []
+    assert torch.equal(o_a, o_b)
+
+
+def test_empty_ring_of_a_new_pool_is_left_alone():
+    """A ring in the state a flush leaves (a new pool's: w = 0, pcum = 0) with hcnt = L is not flushed: not a byte
+    changes, the poisoned checkpoint included (its state is the checkpoint, whatever it holds)."""
+    pool = leapquant.Pool(3, 2, 64, 64, 16, 4)
+    pool.codes[1].fill_(9)
+    pool.s_kv[1].fill_(float("nan"))
+    pool.hcnt.fill_(pool.ring)
+    before = parity.snapshot(pool)
+    leapquant.flush(pool, _i32(1, 2), backend="reference")
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+# --- 2. at most once per call -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("convention", ["vllm", "sglang"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_repeated_slot_is_flushed_once(backend, convention, monkeypatch):
+    """With ``check=False`` a slot named several times is flushed once: the bytes of a flush of the distinct slots
+    (on a GPU the repeats were programs writing one region at once)."""
+    pool = _pool("kda", convention=convention)
+    twin = _twin(pool)
+    pad = 0 if convention == "vllm" else -1
+    _flush(backend, pool, _i32(2, 1, 2, pad, 1, 2), monkeypatch, check=False)
+    _flush(backend, twin, _i32(2, 1), monkeypatch)
+    assert _same_bytes(parity.snapshot(pool), parity.snapshot(twin)) == []
+
+
+def test_repeated_slot_is_refused_with_check():
+    pool = _pool()
+    before = parity.snapshot(pool)
+    with pytest.raises(ValueError, match="idx names slots more than once"):
+        leapquant.flush(pool, _i32(2, 1, 2), backend="reference")
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+# --- 3. the whole value range -----------------------------------------------------------------------------------
+
+
+def _decayed_empty_ring(pool):
+    """Every real slot's state decays to about 1e-41 (KDA pcum = -95, below fp32's normal range) with nothing in the
+    ring: what a fully decayed head is at its flush."""
+    pool.w.zero_()
+    pool.pcum.fill_(-95.0)
+    pool.hcnt.fill_(pool.ring)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_decayed_head_compresses_to_zeros(backend, monkeypatch):
+    """max|S| below 2^-126: finite, all-zero codes and U, s_k = s_v = EPS, in the reference as in the kernel (the
+    reference's power-of-two normaliser overflowed to infinity: NaN scales and factors for good)."""
+    pool = _pool()
+    _decayed_empty_ring(pool)
+    _flush(backend, pool, _i32(1, 2), monkeypatch)
+    for name in ("s_kv", "uq"):
+        assert bool(torch.isfinite(getattr(pool, name)[1:3]).all()), name
+    assert int(pool.codes[1:3].abs().max()) == 0
+    assert float(pool.u[1:3].abs().max()) == 0.0
+    assert bool((pool.s_kv[1:3] == leapquant.EPS).all())
+
+
+def test_reference_matches_the_kernel_on_tiny_states(monkeypatch):
+    if "triton:grid" not in BACKENDS:
+        pytest.skip("needs the Triton interpreter")
+    a = _pool()
+    _decayed_empty_ring(a)
+    b = _twin(a)
+    _flush("reference", a, _i32(1, 2), monkeypatch)
+    _flush("triton:grid", b, _i32(1, 2), monkeypatch)
+    for name in ("codes", "s_kv", "u"):
+        assert torch.equal(getattr(a, name)[1:3], getattr(b, name)[1:3]), name
+
+
+@pytest.mark.parametrize("scale", [1e-40, 0.0])
+def test_load_states_of_tiny_states(scale):
+    pool = leapquant.Pool(3, 2, 64, 64, 16, 4)
+    S = scale * torch.randn(2, 2, 64, 64, generator=torch.Generator().manual_seed(2))
+    pool.load_states([1, 2], S)
+    assert bool(torch.isfinite(pool.s_kv[1:3]).all()) and bool(torch.isfinite(pool.uq[1:3]).all())
+    assert bool(torch.isfinite(pool.states([1, 2])).all())
+    assert float(pool.states([1, 2]).abs().max()) <= 1e-30
+
+
+# --- 4. the reference writes only the due programs -----------------------------------------------------------------
+
+
+def test_reference_computes_only_the_due_programs(monkeypatch):
+    """Memory and time follow the due programs: 4,000 padding rows with nothing due compute no state (they used to
+    rebuild and compress every row, 1.3 GiB at 8,000 rows), and a flush of one due program rebuilds one."""
+    from leapquant import reference
+
+    seen = []
+    real = reference.rebuild
+    monkeypatch.setattr(reference, "rebuild", lambda *a, **k: seen.append(real(*a, **k).shape[:-2]) or real(*a, **k))
+    pool = _pool(due=torch.zeros(5, 2, dtype=torch.bool))
+    pool.hcnt[3, 1] = pool.ring
+    leapquant.flush(pool, torch.zeros(4000, dtype=torch.int32), backend="reference", check=False)
+    assert seen == []
+    leapquant.flush(pool, _i32(0, 3, 0, 0, 4), backend="reference")
+    assert [tuple(s) for s in seen] == [(1,)]
+
+
+def test_threads_flushing_disjoint_slots():
+    """Two threads flushing disjoint slots of one pool at once keep each other's writes (whole-tensor rewrites lost
+    them): after every round the pool holds the bytes of the two flushes made one after the other."""
+    pool = leapquant.Pool(13, 4, 64, 64, 16, 4)
+    gen = torch.Generator().manual_seed(9)
+    halves = (_i32(1, 2, 3, 4, 5, 6), _i32(7, 8, 9, 10, 11, 12))
+    for round_ in range(16):
+        fill(pool, list(range(1, 13)), "gaussian", gen)
+        twin = _twin(pool)
+        for idx in halves:
+            leapquant.flush(twin, idx, backend="reference")
+        start = threading.Barrier(2)
+        errors = []
+
+        def work(idx):
+            try:
+                start.wait()
+                leapquant.flush(pool, idx, backend="reference", check=False)
+            except Exception as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work, args=(idx,)) for idx in halves]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert _same_bytes(parity.snapshot(pool), parity.snapshot(twin)) == [], f"round {round_}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_poisoned_pool_untouched_outside_the_due_programs(backend, monkeypatch):
+    """Random bytes everywhere (NaN included), repeated and padding rows: only the due programs' checkpoints and
+    ring resets change, once."""
+    pool = leapquant.Pool(7, 2, 64, 64, 16, 4)
+    gen = torch.Generator().manual_seed(4)
+    for name in parity.POOL_TENSORS:
+        if getattr(pool, name) is not None and name != "hcnt":
+            iv = getattr(pool, name).view(torch.uint8)
+            iv.copy_(torch.randint(0, 256, iv.shape, generator=gen, dtype=torch.uint8))
+    due = torch.tensor([[True, False], [True, True]])
+    fill(pool, [2, 5], "lowrank", gen, due=due)
+    idx = _i32(5, 0, 2, 5, 9, 2)
+    rows, heads = pool.due(idx).nonzero(as_tuple=True)
+    first = torch.tensor([True, False, True, False, False, False])[rows]  # the first row of each slot
+    before = parity.snapshot(pool)
+    _flush(backend, pool, idx, monkeypatch, check=False)
+    assert parity.untouched_failures(pool, before, idx.long()[rows][first], heads[first]) == []
+
+
+# --- 5. Pool.from_tensors and the metadata of every call -------------------------------------------------------
+
+
+def _parts(pool):
+    return dict(raw=pool.raw, kbuf=pool.kbuf, ubuf=pool.ubuf, w=pool.w, pcum=pool.pcum, gbuf=pool.gbuf,
+                hcnt=pool.hcnt, q0=pool.q0)
+
+
+def _geometry(pool, **over):
+    g = pool.geometry
+    kw = dict(num_slots=g.num_slots, heads=g.heads, head_k=g.head_k, head_v=g.head_v, ring=g.ring, rank=g.rank,
+              gate=g.gate, convention=pool.convention)
+    kw.update(over)
+    return kw
+
+
+FROM_TENSORS_BAD = {
+    "short w": (lambda p: dict(w=p.w[:-1]), ValueError, r"\bw must have shape"),
+    "short kbuf": (lambda p: dict(kbuf=p.kbuf.reshape(-1)[:-64].reshape(-1, 64)), ValueError, r"\bkbuf must have"),
+    "strided w": (lambda p: dict(w=torch.zeros(6, 2, 32)[..., ::2]), ValueError, r"\bw must be contiguous"),
+    "short raw": (lambda p: dict(raw=p.raw[:-4]), ValueError, r"\braw must hold"),
+    "w as fp64": (lambda p: dict(w=p.w.double()), TypeError, r"\bw must be torch.float32"),
+    "hcnt as int64": (lambda p: dict(hcnt=p.hcnt.long()), TypeError, r"\bhcnt must be torch.int32"),
+    "gbuf missing (KDA)": (lambda p: dict(gbuf=None), TypeError, r"\bgbuf must be a torch.Tensor"),
+    "q0 of another rank": (lambda p: dict(q0=torch.zeros(64, 3)), ValueError, r"\bq0 must have shape"),
+    "q0 as fp16": (lambda p: dict(q0=p.q0.half()), TypeError, r"\bq0 must be torch.float32"),
+    "q0 on meta": (lambda p: dict(q0=p.q0.to("meta")), ValueError, r"\bq0 must be on cpu"),
+    "misaligned raw": (lambda p: dict(raw=torch.zeros(p.raw.numel() + 1)[1:]), ValueError, r"\braw must start at"),
+    "pcum over w": (None, ValueError, "overlap"),
+    "gate": (lambda p: {}, ValueError, "gate must be"),
+}
+
+
+@pytest.mark.parametrize("case", list(FROM_TENSORS_BAD))
+def test_from_tensors_refuses(case):
+    """Whatever ``check`` a flush will take, ``from_tensors`` refuses a tensor a kernel would index out of bounds or
+    write over another's bytes, naming it (it took them all, and Triton read and wrote past a short ``w``)."""
+    pool = _pool()
+    make, exc, words = FROM_TENSORS_BAD[case]
+    parts = _parts(pool)
+    over = {}
+    if case == "pcum over w":
+        buf = torch.zeros(pool.w.numel() + pool.pcum.numel())
+        parts["w"] = buf[:pool.w.numel()].view(pool.w.shape)
+        parts["pcum"] = buf[16:16 + pool.pcum.numel()].view(pool.pcum.shape)
+    elif case == "gate":
+        over = dict(gate="foo")
+    else:
+        parts.update(make(pool))
+    with pytest.raises(exc, match=words):
+        leapquant.Pool.from_tensors(**parts, **_geometry(pool, **over))
+
+
+def test_from_tensors_never_resizes_raw():
+    """``num_slots`` larger than ``raw`` holds: refused, and the caller's storage keeps its size and address (setting
+    up the views used to grow and move it)."""
+    pool = _pool()
+    ptr, nbytes = pool.raw.untyped_storage().data_ptr(), pool.raw.untyped_storage().nbytes()
+    parts = _parts(pool)
+    with pytest.raises(ValueError, match=r"\braw must hold"):
+        leapquant.Pool.from_tensors(**parts, **_geometry(pool, num_slots=9))
+    assert (pool.raw.untyped_storage().data_ptr(), pool.raw.untyped_storage().nbytes()) == (ptr, nbytes)
+
+
+def test_storage_shrunk_under_a_tensor():
+    pool = _pool()
+    w = torch.zeros(pool.w.numel() + 64)
+    view = w[64:].view(pool.w.shape)
+    w.untyped_storage().resize_(64 * 4)
+    with pytest.raises(ValueError, match=r"\bw reaches byte"):
+        leapquant.Pool.from_tensors(**{**_parts(pool), "w": view}, **_geometry(pool))
+
+
+def test_raw_inside_a_larger_buffer():
+    """A ``raw`` carved out of a larger allocation (storage offset not 0) works: the views start at its first word,
+    and a flush through it writes the bytes a pool of its own would."""
+    pool = _pool()
+    big = torch.zeros(pool.raw.numel() + 1024)
+    raw = big[1024:]
+    raw.copy_(pool.raw)
+    other = leapquant.Pool.from_tensors(**{**_parts(_twin(pool)), "raw": raw}, **_geometry(pool))
+    assert other.codes.data_ptr() == raw.data_ptr() + 4 * pool.base
+    leapquant.flush(pool, _i32(1, 3), backend="reference")
+    leapquant.flush(other, _i32(1, 3), backend="reference")
+    assert torch.equal(parity.as_bytes(other.raw), parity.as_bytes(pool.raw))
+    assert float(big[:1024].abs().sum()) == 0.0
+
+
+SPOILED = {
+    "short w": (lambda p: setattr(p, "w", p.w[:, :1]), ValueError, r"pool\.w must have shape"),
+    "strided w": (lambda p: setattr(p, "w", p.w.transpose(0, 1).contiguous().transpose(0, 1)), ValueError,
+                  r"pool\.w must be contiguous"),
+    "q0 of another rank": (lambda p: setattr(p, "q0", torch.zeros(64, 2)), ValueError, r"pool\.q0 must have shape"),
+    "q0 as fp64": (lambda p: setattr(p, "q0", p.q0.double()), TypeError, r"pool\.q0 must be torch.float32"),
+    "codes not of raw": (lambda p: setattr(p, "codes", p.codes.clone()), ValueError, r"pool\.codes must be a view"),
+    "s_k shifted": (lambda p: setattr(p, "s_k", p.s_v), ValueError, r"pool\.s_k must be raw's view"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPOILED))
+@pytest.mark.parametrize("backend", BACKENDS[:2])
+def test_replaced_tensor_is_checked_with_check_false(case, backend, monkeypatch):
+    """A pool tensor replaced after construction is checked again before the next launch, with ``check=False`` too
+    (metadata only), and nothing is written."""
+    pool = _pool()
+    make, exc, words = SPOILED[case]
+    _flush(backend, pool, _i32(1), monkeypatch, check=False)  # checked and remembered
+    make(pool)
+    before = parity.snapshot(pool)
+    with pytest.raises(exc, match=words):
+        _flush(backend, pool, _i32(2, 3), monkeypatch, check=False)
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+# --- 6. q0 ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(64, 3), (128, 4), (64,)])
+def test_bad_q0_is_refused(shape):
+    """``Pool(q0=...)`` of the wrong shape is refused (the kernels read it as [V, R]: Triton read past it); a wrong
+    dtype is refused where it cannot be converted (``from_tensors``, a replaced ``pool.q0``: the cases above)."""
+    with pytest.raises(ValueError, match=r"pool\.q0 must have shape \[64, 4\]"):
+        leapquant.Pool(3, 2, 64, 64, 16, 4, q0=torch.zeros(shape))
+
+
+def test_nan_q0_with_check():
+    """``check=True`` reads ``q0``: a NaN start matrix is refused before anything is written (it turned every due
+    program into NaN)."""
+    pool = _pool()
+    pool.q0[3, 1] = float("nan")
+    before = parity.snapshot(pool)
+    with pytest.raises(ValueError, match=r"pool\.q0 must be finite"):
+        leapquant.flush(pool, _i32(1, 2), backend="reference")
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+# --- 7. append and load_states ----------------------------------------------------------------------------------
+
+
+def _token(pool, B, gate=None, **over):
+    gen = torch.Generator().manual_seed(3)
+    HV, K, V = pool.heads, pool.head_k, pool.head_v
+    t = dict(k=torch.randn(B, HV, K, generator=gen), v=torch.randn(B, HV, V, generator=gen),
+             g=-0.1 * torch.rand(*((B, HV, K) if pool.gate == "kda" else (B, HV)), generator=gen),
+             beta=torch.rand(B, HV, generator=gen))
+    t.update(over)
+    return t
+
+
+APPEND_BAD = {
+    "repeated slot": (dict(slots=[1, 1]), ValueError, "slots names slots more than once"),
+    "slot out of range": (dict(slots=[1, 9]), ValueError, r"slots must lie in \[0, 6\)"),
+    "float slots": (dict(slots=torch.tensor([1.0, 2.0])), TypeError, "slots must hold integers"),
+    "hcnt -1": (dict(hcnt=-1), ValueError, r"pool\.hcnt of the appended slots must lie in \[0, 16\]"),
+    "hcnt past L": (dict(hcnt=17), ValueError, r"pool\.hcnt of the appended slots"),
+    "NaN k": (dict(k=float("nan")), ValueError, "append: k must be finite"),
+    "inf v": (dict(v=float("inf")), ValueError, "append: v must be finite"),
+    "huge v": (dict(v=1e30), ValueError, r"append: v must have max\|x\| <= 2\^64"),
+    "gate overflowing fp16": (dict(g=12.0), ValueError, "append: g must be <= 11"),
+    "NaN beta": (dict(beta=float("nan")), ValueError, "append: beta must be finite"),
+    "wrong g shape": (dict(g_shape=True), ValueError, "append: g must be"),
+    "int k": (dict(k_int=True), TypeError, "append: k must be a floating-point tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(APPEND_BAD))
+def test_append_refuses(case):
+    """``append`` refuses what would corrupt a ring (a repeated slot lost a token, hcnt = -1 failed inside torch),
+    naming the argument, before writing anything."""
+    pool = _pool()
+    over, exc, words = APPEND_BAD[case]
+    slots = over.get("slots", [1, 2])
+    B = len(slots)
+    t = _token(pool, B)
+    for name in ("k", "v", "g", "beta"):
+        if name in over:
+            t[name] = torch.full_like(t[name], over[name])
+    if "g_shape" in over:
+        t["g"] = t["g"][..., :1]
+    if "k_int" in over:
+        t["k"] = t["k"].to(torch.int32)
+    if "hcnt" in over:
+        pool.hcnt[2, 1] = over["hcnt"]
+    before = parity.snapshot(pool)
+    with pytest.raises(exc, match=words):
+        pool.append(slots, **t)
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+LOAD_BAD = {
+    "NaN": (float("nan"), "states must be finite"),
+    "inf": (float("inf"), "states must be finite"),
+    "near fp32's max": (3e38, r"states must have max\|x\| <= 2\^64"),
+}
+
+
+@pytest.mark.parametrize("case", list(LOAD_BAD))
+def test_load_states_refuses(case):
+    """NaN and out-of-range states are refused (they were stored as NaN codes and scales without a word)."""
+    pool = _pool()
+    value, words = LOAD_BAD[case]
+    S = torch.randn(2, 2, 64, 64, generator=torch.Generator().manual_seed(1))
+    S[1, 0, 3, 4] = value
+    before = parity.snapshot(pool)
+    with pytest.raises(ValueError, match=words):
+        pool.load_states([1, 2], S)
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+def test_load_states_refuses_a_repeated_slot():
+    pool = _pool()
+    with pytest.raises(ValueError, match="more than once"):
+        pool.load_states([2, 2], torch.zeros(2, 2, 64, 64))
+
+
+# --- 8. pickling ------------------------------------------------------------------------------------------------
+
+
+def _aliases(pool) -> bool:
+    st = pool.raw.untyped_storage().data_ptr()
+    return all(getattr(pool, n).untyped_storage().data_ptr() == st for n in ("codes", "codes32", "s_k", "s_v", "s_kv",
+                                                                            "uq", "u", "q"))
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "torch.save weights_only", "deepcopy"])
+def test_pickled_pool_aliases_raw(how):
+    """A pool comes back from pickle and ``torch.save`` / ``torch.load`` with its views aliasing its ``raw`` again,
+    so a flush (``check=False``) updates the loaded ``raw``: the bytes a flush of the original gives."""
+    pool = _pool()
+    if how == "pickle":
+        back = pickle.loads(pickle.dumps(pool))
+    elif how == "deepcopy":
+        back = copy.deepcopy(pool)
+    else:
+        buf = io.BytesIO()
+        torch.save(pool, buf)
+        buf.seek(0)
+        back = torch.load(buf, weights_only=how.endswith("weights_only"))
+    assert isinstance(back, leapquant.Pool) and _aliases(back)
+    assert back.raw.data_ptr() != pool.raw.data_ptr()
+    assert _same_bytes(parity.snapshot(back), parity.snapshot(pool)) == []
+    idx = _i32(2, 4)
+    leapquant.flush(pool, idx, backend="reference")
+    leapquant.flush(back, idx, backend="reference", check=False)
+    assert _same_bytes(parity.snapshot(back), parity.snapshot(pool)) == []
+
+
+# --- 9. clear messages ------------------------------------------------------------------------------------------
+
+
+def _run_args(B=2, HV=2, K=64, V=64, L=8, R=2):
+    return dict(codes=torch.zeros(B, HV, V, K, dtype=torch.int8), s_k=torch.ones(B, HV, K), s_v=torch.ones(B, HV, V),
+                u=torch.zeros(B, HV, R, K, dtype=torch.float16), q=torch.zeros(B, HV, R, V, dtype=torch.float16),
+                kbuf=torch.zeros(B, HV, L, K, dtype=torch.bfloat16), ubuf=torch.zeros(B, HV, L, V, dtype=torch.bfloat16),
+                gbuf=torch.ones(B, HV, L, K, dtype=torch.float16), w=torch.zeros(B, HV, L), pcum=torch.zeros(B, HV, K),
+                q0=leapquant.start_matrix(V, R))
+
+
+MESSAGES = {
+    "flush without a pool": (lambda: leapquant.flush(None, _i32(1), check=False), TypeError,
+                             "pool must be a leapquant.Pool"),
+    "step without a pool": (lambda: leapquant.step("pool", _i32(1), *[torch.zeros(1, 2, 64)] * 5, check=False),
+                            TypeError, "pool must be a leapquant.Pool"),
+    "run: q of another rank": (lambda: leapquant.run(**{**_run_args(), "q": torch.zeros(2, 2, 3, 64,
+                                                                                       dtype=torch.float16)}),
+                               ValueError, r"\bq must have shape \[2, 2, 2, 64\]"),
+    "run: w of another ring": (lambda: leapquant.run(**{**_run_args(), "w": torch.zeros(2, 2, 16)}), ValueError,
+                               r"\bw must have shape"),
+    "run: s_k as fp16": (lambda: leapquant.run(**{**_run_args(), "s_k": torch.ones(2, 2, 64).half()}), TypeError,
+                         r"\bs_k must be torch.float32"),
+    "run: codes 3-D": (lambda: leapquant.run(**{**_run_args(), "codes": torch.zeros(2, 64, 64, dtype=torch.int8)}),
+                       ValueError, r"\bcodes must be a 4-D tensor"),
+}
+
+
+@pytest.mark.parametrize("case", list(MESSAGES))
+def test_clear_messages(case):
+    call, exc, words = MESSAGES[case]
+    with pytest.raises(exc, match=words):
+        call()
+
+
+def test_run_gives_the_flush():
+    """The checked ``run`` still flushes: its outputs are the reference's for the same inputs."""
+    args = _run_args()
+    args["w"] = torch.rand(2, 2, 8, generator=torch.Generator().manual_seed(1))
+    args["ubuf"] = torch.randn(2, 2, 8, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    args["kbuf"] = torch.randn(2, 2, 8, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    codes, s_k, s_v, u, q = leapquant.run(**args, backend="reference")
+    S = leapquant.reference.rebuild(**{k: v for k, v in args.items() if k != "q0"}, gate="kda")
+    want = leapquant.reference.compress(S, args["q0"])
+    assert torch.equal(codes, want[0]) and torch.equal(s_k, want[1]) and torch.equal(u, want[3])
+
+
+def test_compile_with_check():
+    """``leapquant.flush(..., check=True)`` under ``torch.compile(fullgraph=True)``: the checks run inside the op at
+    run time (they read ``idx`` on the host, which tracing cannot), so the call compiles, flushes as in eager mode,
+    and a bad ``idx`` still raises the checks' error."""
+    pool = _pool()
+    twin = _twin(pool)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def go(idx):
+        leapquant.flush(pool, idx, backend="reference", check=True)
+
+    go(_i32(2, 0, 3))
+    leapquant.flush(twin, _i32(2, 0, 3), backend="reference")
+    assert _same_bytes(parity.snapshot(pool), parity.snapshot(twin)) == []
+    before = parity.snapshot(pool)
+    with pytest.raises(Exception, match="idx names slots more than once"):
+        go(_i32(4, 4, 5))
+    assert _same_bytes(before, parity.snapshot(pool)) == []
