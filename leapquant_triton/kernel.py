@@ -58,10 +58,13 @@ def _named_before(idx, i_n, i_s):
     """How many rows of ``idx`` before row ``i_n`` name slot ``i_s`` (>= 0). Only the first row naming a slot
     flushes it: a repeat would flush it again, and on a GPU two programs would write its region at once."""
     n_same = 0
-    for start in range(0, i_n, SCAN):
+    start = 0
+    # a while, not range(0, i_n): the interpreters of Triton 3.5-3.8 cannot take a program id as a range bound
+    while start < i_n:
         o_m = start + tl.arange(0, SCAN)
         b_m = tl.load(idx + o_m, mask=o_m < i_n, other=-1)  # -1 is never a due row's slot
         n_same += tl.sum((b_m.to(tl.int64) == i_s).to(tl.int32), axis=0)
+        start += SCAN
     return n_same
 
 
