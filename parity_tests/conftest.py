@@ -1,7 +1,8 @@
 """Profiles, devices and backends under test.
 
-Hypothesis profiles: ``ci`` (derandomised; loaded when ``CI`` is set), ``dev`` (quick, the default), ``long``
-(``HYPOTHESIS_PROFILE=long``, for a night run), ``gpu`` (the GPU suite).
+Hypothesis profiles: ``ci`` (loaded when ``CI`` is set), ``dev`` (quick, the default), ``gpu`` (the GPU suite), all
+derandomised so that a run draws the same examples every time; ``long`` (``HYPOTHESIS_PROFILE=long``, for a night
+run) draws fresh ones, to look for new failures.
 ``LEAPQUANT_TEST_BACKENDS=a,b`` restricts the backend-parametrised tests to those backends (e.g. to check one backend
 on a GPU while another is known broken there); the default is every backend available here. On a machine without CUDA, Triton kernels run through
 its interpreter: ``TRITON_INTERPRET=1`` is set here before anything imports Triton.
@@ -21,8 +22,8 @@ import leapquant  # noqa: E402
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("ci", derandomize=True, max_examples=12, print_blob=True, **_common)
-settings.register_profile("dev", max_examples=6, **_common)
-settings.register_profile("gpu", max_examples=40, **_common)
+settings.register_profile("dev", derandomize=True, max_examples=6, **_common)
+settings.register_profile("gpu", derandomize=True, max_examples=40, **_common)
 settings.register_profile("long", max_examples=200, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
