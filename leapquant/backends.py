@@ -34,6 +34,7 @@ class Requirements:
     rings: tuple[int, ...] | None = (16,)
     ranks: tuple[int, ...] | None = (1, 2, 3, 4)
     conventions: tuple[str, ...] = ("vllm", "sglang")
+    layouts: tuple[str, ...] = ("engine", "compact")  # how raw holds the checkpoints (SPEC §2)
     # the max|S| the backend is accurate for (SPEC §4: the seed's domain is <= 2^14; reference and Triton 2^+-40)
     magnitude: tuple[float, float] = (2.0**-40, 2.0**40)
     notes: tuple[str, ...] = field(default_factory=tuple)
@@ -60,6 +61,8 @@ class Requirements:
             return False, f"rank={g.rank} not supported (supports {self.ranks})"
         if pool.convention not in self.conventions:
             return False, f"convention {pool.convention!r} not supported"
+        if g.layout not in self.layouts:
+            return False, f"layout {g.layout!r} not supported (supports {self.layouts})"
         return True, "ok"
 
 

@@ -47,6 +47,8 @@ def check_geometry(geo: "Geometry", convention: str) -> None:
         raise ValueError(f"gate must be 'kda' or 'gdn', got {geo.gate!r}")
     if convention not in ("vllm", "sglang"):
         raise ValueError(f"convention must be 'vllm' or 'sglang', got {convention!r}")
+    if geo.layout not in ("engine", "compact"):
+        raise ValueError(f"layout must be 'engine' or 'compact', got {geo.layout!r}")
     if geo.checkpoint_bytes > 4 * geo.region_words:
         raise ValueError(f"checkpoint ({geo.checkpoint_bytes} B) does not fit the region ({4 * geo.region_words} B)")
 
@@ -108,7 +110,7 @@ def check_pool_tensors(geo: "Geometry", tensors: dict, prefix: str = "") -> None
         raise TypeError(f"{prefix}raw must be a torch.Tensor, got {type(raw).__name__}")
     dev = raw.device
     want = {
-        "raw": (torch.float32, (NS * geo.slot_stride + BASE_WORDS,)),
+        "raw": (torch.float32, (geo.raw_words,)),
         "kbuf": (torch.bfloat16, (NS, HV, L, K)),
         "ubuf": (torch.bfloat16, (NS, HV, L, V)),
         "w": (torch.float32, (NS, HV, L)),
@@ -123,8 +125,10 @@ def check_pool_tensors(geo: "Geometry", tensors: dict, prefix: str = "") -> None
     if isinstance(raw, torch.Tensor) and raw.dim() == 1 and raw.dtype == torch.float32 \
             and raw.numel() != want["raw"][1][0]:
         # the views of raw would reach past it (and setting them up would resize the caller's storage)
-        raise ValueError(f"{prefix}raw must hold num_slots * (heads + 1) * head_v * head_k + {BASE_WORDS} = "
-                         f"{want['raw'][1][0]} fp32 words for num_slots={NS}, got {raw.numel()}")
+        per_slot = ("(heads + 1) * head_v * head_k" if geo.layout == "engine"
+                    else f"heads * {geo.head_stride} (the checkpoint rounded up to 128 bytes, in words)")
+        raise ValueError(f"{prefix}raw must hold num_slots * {per_slot} + {BASE_WORDS} = {want['raw'][1][0]} fp32 "
+                         f"words for num_slots={NS} in the {geo.layout} layout, got {raw.numel()}")
     for name, (dtype, shape) in want.items():
         _dense(tensors.get(name), prefix + name, dtype, shape, dev)
     spans = sorted((t.untyped_storage().data_ptr(), *_extent(t), name) for name, t in tensors.items()

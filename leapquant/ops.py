@@ -72,7 +72,7 @@ def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: b
     if torch.compiler.is_compiling():
         # the op resolves the name and checks the pool when it runs (the choice reads entry points and device
         # properties, the checks tensors' storage and values: not traceable)
-        torch.ops.leapquant.flush(*op_args(pool, idx, backend), check=bool(check))
+        torch.ops.leapquant.flush(*op_args(pool, idx, backend), check=bool(check), layout=pool.layout)
         return
     _check_call(pool, idx, check)
     _on_pool_device(pool, select(pool, backend).flush, pool, idx)
@@ -139,13 +139,14 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                         bool(use_qk_l2norm), o)
         return o
     torch.ops.leapquant.step(*op_args(pool, idx, backend)[:-1], q, k, v, g, beta, o, scale, bool(use_qk_l2norm),
-                             backend, check=bool(check))
+                             backend, check=bool(check), layout=pool.layout)
     return o
 
 
 def op_args(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto") -> tuple:
-    """The arguments of ``torch.ops.leapquant.flush`` for ``flush(pool, idx, backend)``: the pool's tensors, ``idx``,
-    its geometry and the backend's name."""
+    """The positional arguments of ``torch.ops.leapquant.flush`` for ``flush(pool, idx, backend)``: the pool's tensors,
+    ``idx``, its geometry and the backend's name; the layout goes as the keyword ``layout`` (its default, "engine",
+    keeps the op's positional form what it was before there were two layouts)."""
     g = pool.geometry
     return (pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt, pool.q0, idx,
             g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters, backend)
@@ -162,12 +163,12 @@ def _on_pool_device(pool: Pool, fn, *args) -> None:
 
 
 def _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, idx, num_slots, heads, head_k, head_v, ring, rank, gate,
-             convention, iters, check) -> Pool:
+             convention, iters, layout, check) -> Pool:
     """The pool a custom op's arguments describe (the op takes tensors and numbers, not a Pool), its metadata checked
     (``Pool.from_tensors``), and with ``check`` the values of ``idx`` and ``q0``."""
     pool = Pool.from_tensors(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, num_slots=num_slots, heads=heads,
                              head_k=head_k, head_v=head_v, ring=ring, rank=rank, gate=gate, convention=convention,
-                             iters=iters)
+                             iters=iters, layout=layout)
     check_idx_layout(pool, idx)
     _check_call(pool, idx, check)
     return pool
@@ -197,9 +198,10 @@ def _flush_op(
     iters: int,
     backend: str,
     check: bool = False,
+    layout: str = "engine",
 ) -> None:
     pool = _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, idx, num_slots, heads, head_k, head_v, ring, rank, gate,
-                    convention, iters, check)
+                    convention, iters, layout, check)
     _on_pool_device(pool, select(pool, backend).flush, pool, idx)
 
 
@@ -240,9 +242,10 @@ def _step_op(
     use_qk_l2norm: bool,
     backend: str,
     check: bool = False,
+    layout: str = "engine",
 ) -> None:
     pool = _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, idx, num_slots, heads, head_k, head_v, ring, rank, gate,
-                    convention, iters, check)
+                    convention, iters, layout, check)
     _on_pool_device(pool, select_step(pool, backend).step, pool, idx, q, k, v, g, beta, scale, use_qk_l2norm, out)
 
 

@@ -1,8 +1,8 @@
 """The ``"tilelang"`` backend: the seed's warp-specialised kernel (``kernel.py``) driving a :class:`leapquant.Pool`.
 
-Limits (the kernel is written for them): 32 heads per slot, ``head_k = head_v = 128``, ring 16, rank 1..4, sm_90 or
-sm_100, at most :data:`~leapquant_tilelang.kernel.DUE_LIST_MAX` due-list entries per CTA (about 8,400 slots on 132
-SMs). Anything else is refused by :meth:`TileLangBackend.supports` with the reason.
+Limits (the kernel is written for them): the engine layout (SPEC §2), 32 heads per slot, ``head_k = head_v = 128``,
+ring 16, rank 1..4, sm_90 or sm_100, at most :data:`~leapquant_tilelang.kernel.DUE_LIST_MAX` due-list entries per CTA
+(about 8,400 slots on 132 SMs). Anything else is refused by :meth:`TileLangBackend.supports` with the reason.
 """
 
 from __future__ import annotations
@@ -34,12 +34,14 @@ class TileLangBackend(Backend):
         head_dims=((128, 128),),
         rings=(16,),
         ranks=(1, 2, 3, 4),
+        layouts=("engine",),
         # the seed's domain (SPEC §4): the state is staged fp16 in shared memory, which overflows above it and flushes
         # to zero below it (docs/DESIGN.md, "TileLang: what the port changed")
         magnitude=(2.0**-10, 2.0**14),
         notes=(
             "one CTA per SM scans every due flag: the launch is fixed for a pool and N (graph-capturable)",
             "slots: a CTA's share of all programs must fit its due list (about 8,400 slots of 32 heads on 132 SMs)",
+            "layout: engine only; the compact layout is the Triton backend's (docs/DESIGN.md, \"Compact layout\")",
         ),
     )
 
@@ -57,6 +59,11 @@ class TileLangBackend(Backend):
         return True, "ok"
 
     def supports(self, pool: "Pool") -> tuple[bool, str]:
+        if pool.layout != "engine":
+            # before availability: the reason holds on every machine, and it is the one a caller can act on
+            return False, (f"layout {pool.layout!r} not supported: the TileLang kernel addresses the engine layout "
+                           f"(SPEC §2), its slot and head strides built into its TMA descriptors and staging, and "
+                           f"no compact build of it has been run on a GPU; use backend 'triton' or 'reference'")
         ok, why = super().supports(pool)
         if not ok:
             return ok, why

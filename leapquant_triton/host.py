@@ -144,8 +144,8 @@ class _Plan:
         self.flush = _launch_flush.prepare(
             dict(hcnt=hcnt, codes=codes, skv=skv, uq=uq, kbuf=kbuf, ubuf=ubuf, w=w, pcum=pcum,
                  gbuf=gbuf if gbuf is not None else w,  # GDN never reads it
-                 q0=q0, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, **consts, LIST=schedule == "list", PDL=pdl,
-                 AHEAD=ahead),
+                 q0=q0, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, HS=g.head_stride, **consts,
+                 LIST=schedule == "list", PDL=pdl, AHEAD=ahead),
             dict(compile_options(nw, cap), launch_pdl=pdl))
         self.due_list = None
         if schedule == "list":

@@ -96,12 +96,12 @@ def _listed_pair(work, p, HV, live):
 
 
 @triton.jit
-def _prefetch(work, n_due, q, codes, kbuf, ubuf, w, gbuf, HV, SS, K: tl.constexpr, V: tl.constexpr,
+def _prefetch(work, n_due, q, codes, kbuf, ubuf, w, gbuf, HV, SS, HS, K: tl.constexpr, V: tl.constexpr,
               L: tl.constexpr, R: tl.constexpr, IS_KDA: tl.constexpr):
     """The inputs of the due pair ``work[1 + q]`` into L2, for its program about one round later."""
     live = q < n_due
     i_s, i_h, i_sh = _listed_pair(work, q, HV, live)
-    a_reg = (codes + (i_s * SS + i_h * (V * K)) * 4).to(tl.int64, bitcast=True)
+    a_reg = (codes + (i_s * SS + i_h * HS) * 4).to(tl.int64, bitcast=True)
     a_k = (kbuf + i_sh * (L * K)).to(tl.int64, bitcast=True)
     a_u = (ubuf + i_sh * (L * V)).to(tl.int64, bitcast=True)
     a_w = (w + i_sh * L).to(tl.int64, bitcast=True)
@@ -153,11 +153,12 @@ def due_list_kernel(idx, hcnt, w, pcum, work, NS, HV, FIRST: tl.constexpr, K: tl
 
 
 @triton.jit
-def _region_and_scratch(scratch, scratch16, o_scr, i_s, i_h, SS, K: tl.constexpr, V: tl.constexpr,
+def _region_and_scratch(scratch, scratch16, o_scr, i_s, i_h, SS, HS, K: tl.constexpr, V: tl.constexpr,
                         ITERS: tl.constexpr):
-    """The pair's first word in the pool, and the program's scratch words (:func:`.host.scratch_words`): Y / Q [V, 4]
-    (later 1 / s_k), two Gram matrices per ITERS, c, fp16(Q) [V, 4], exp(pcum) [K] (later the column sums of |E|)."""
-    o_reg = i_s * SS + i_h * (V * K)
+    """The pair's first word in the pool (slot stride ``SS``, head stride ``HS`` words: the layout's), and the
+    program's scratch words (:func:`.host.scratch_words`): Y / Q [V, 4] (later 1 / s_k), two Gram matrices per ITERS,
+    c, fp16(Q) [V, 4], exp(pcum) [K] (later the column sums of |E|)."""
+    o_reg = i_s * SS + i_h * HS
     p_y = scratch + o_scr
     p_gram = p_y + 4 * V
     p_cn = p_gram + 32 * ITERS
@@ -451,14 +452,15 @@ def _reset_ring(p_w, p_pc, p_g, o_k, o_l, m_l, K: tl.constexpr, BL: tl.constexpr
 
 @triton.jit
 def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, scratch, scratch16, NS, HV,
-                           SS, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                           SS, HS, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
                            R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, ITERS: tl.constexpr,
                            IS_KDA: tl.constexpr, SCR: tl.constexpr, BF16_DOTS: tl.constexpr, LIST: tl.constexpr,
                            PDL: tl.constexpr, AHEAD: tl.constexpr):
     """The flush, in place, of one due (slot, head) per program. ``LIST`` False: grid (N, HV), program (n, h) takes
     (idx[n], h) if it is due; True: grid (N HV,), program p the p-th pair of ``work`` (:func:`due_list_kernel`; ``PDL``:
     launched as its dependent; ``AHEAD``: the L2 prefetch distance). ``codes``, ``skv``, ``uq``: int8, fp32, fp16 views
-    of the pool, region (n, h) at word n SS + h V K; ``scratch``, ``scratch16``: SCR words per program."""
+    of the pool, region (n, h) at word n SS + h HS (SPEC §2: HS = V K in the engine layout, the rounded checkpoint in
+    the compact one); ``scratch``, ``scratch16``: SCR words per program."""
     if LIST:
         pid = tl.program_id(0)
         if PDL:
@@ -467,7 +469,7 @@ def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum,
         if pid >= n_due:
             return
         if AHEAD > 0:
-            _prefetch(work, n_due, pid + AHEAD, codes, kbuf, ubuf, w, gbuf, HV, SS, K, V, L, R, IS_KDA)
+            _prefetch(work, n_due, pid + AHEAD, codes, kbuf, ubuf, w, gbuf, HV, SS, HS, K, V, L, R, IS_KDA)
         i_s, i_h, i_sh = _listed_pair(work, pid, HV, True)
         o_scr = pid.to(tl.int64) * SCR
     else:
@@ -480,7 +482,7 @@ def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum,
             return
         o_scr = (i_n.to(tl.int64) * HV + i_h) * SCR
     o_k, o_v, o_l, o_r, m_l, m_r = _ranges(K, V, L, R, BL, BR)
-    o_reg, p_y, p_gram, p_cn, p_q16, p_e = _region_and_scratch(scratch, scratch16, o_scr, i_s, i_h, SS, K, V,
+    o_reg, p_y, p_gram, p_cn, p_q16, p_e = _region_and_scratch(scratch, scratch16, o_scr, i_s, i_h, SS, HS, K, V,
                                                                ITERS)
     p_qt, m_q = _q16_tile(p_q16, V, BR)
     p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g = _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, o_reg,

@@ -158,7 +158,7 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
     sm90_list = kernel == "list" and arch >= 90
     constexprs = dict(kernel_constants(geo, "vllm", shape.iters), LIST=kernel == "list", PDL=sm90_list,
                       AHEAD=264 if sm90_list else 0)
-    signature = dict(_POINTERS, NS="i32", HV="i32", SS="i32", **{k: "constexpr" for k in constexprs})
+    signature = dict(_POINTERS, NS="i32", HV="i32", SS="i32", HS="i32", **{k: "constexpr" for k in constexprs})
     rep = _build(leapquant_flush_kernel, signature, constexprs, _POINTERS, arch, compile_options(nw, maxnreg),
                  Report(arch, shape, kernel, nw, ok=False))
     # every claimed build must take the mma.sync lowering (host.mma_sync_only): a Triton release that stops
@@ -179,7 +179,7 @@ def compile_step(arch: int, shape: Shape, num_warps: int | None = None) -> Repor
         options["num_warps"] = num_warps
     ints = {k: "i32" for k in ("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "sg_n", "sg_h", "sb_n", "sb_h",
                                "so_n", "so_h")}
-    signature = dict(_STEP_POINTERS, **ints, scale="fp32", NS="i32", HV="i32", G="i32", SS="i32",
+    signature = dict(_STEP_POINTERS, **ints, scale="fp32", NS="i32", HV="i32", G="i32", SS="i32", HS="i32",
                      **{k: "constexpr" for k in constexprs})
     rep = _build(kernel, signature, constexprs, _STEP_POINTERS, arch, options,
                  Report(arch, shape, STEP, options["num_warps"], ok=False))

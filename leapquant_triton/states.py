@@ -42,7 +42,7 @@ def _state_tile(p, i_n, i_h, s_n, s_h, s_v, s_k, K: tl.constexpr, V: tl.constexp
 
 
 @triton.jit
-def load_states_kernel(slots, states, hcnt, codes, skv, uq, w, pcum, gbuf, q0, scratch, scratch16, NS, HV, SS,
+def load_states_kernel(slots, states, hcnt, codes, skv, uq, w, pcum, gbuf, q0, scratch, scratch16, NS, HV, SS, HS,
                        s_n, s_h, s_v, s_k, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
                        BL: tl.constexpr, BR: tl.constexpr, ITERS: tl.constexpr, IS_KDA: tl.constexpr,
                        SCR: tl.constexpr, BF16_DOTS: tl.constexpr):
@@ -56,7 +56,7 @@ def load_states_kernel(slots, states, hcnt, codes, skv, uq, w, pcum, gbuf, q0, s
     i_sh = i_s * HV + i_h
     o_scr = (i_n.to(tl.int64) * HV + i_h) * SCR
     o_k, o_v, o_l, o_r, m_l, m_r = _ranges(K, V, L, R, BL, BR)
-    o_reg, p_y, p_gram, p_cn, p_q16, p_e = _region_and_scratch(scratch, scratch16, o_scr, i_s, i_h, SS, K, V,
+    o_reg, p_y, p_gram, p_cn, p_q16, p_e = _region_and_scratch(scratch, scratch16, o_scr, i_s, i_h, SS, HS, K, V,
                                                                ITERS)
     p_qt, m_q = _q16_tile(p_q16, V, BR)
     # kbuf and ubuf are not touched: the emptied ring voids their entries (placeholders for their pointers)
@@ -78,7 +78,7 @@ def load_states_kernel(slots, states, hcnt, codes, skv, uq, w, pcum, gbuf, q0, s
 
 
 @triton.jit
-def states_kernel(slots, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, NS, HV, SS, s_n, s_h, s_v, s_k,
+def states_kernel(slots, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, NS, HV, SS, HS, s_n, s_h, s_v, s_k,
                   K: tl.constexpr, V: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr,
                   BR: tl.constexpr, IS_KDA: tl.constexpr, BF16_DOTS: tl.constexpr):
     """Grid (n, HV): ``out[n, h]`` = the state of (slots[n], h) rebuilt by the flush's steps 1-4 (zeros for a slot
@@ -91,7 +91,7 @@ def states_kernel(slots, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, NS,
         tl.store(p_o, tl.zeros([V, K], dtype=tl.float32))
         return
     i_sh = i_s * HV + i_h
-    o_reg = i_s * SS + i_h * (V * K)
+    o_reg = i_s * SS + i_h * HS
     o_k, o_v, _, o_r, _, _ = _ranges(K, V, L, R, BL, BR)
     p_e = out + i_n.to(tl.int64) * s_n + i_h.to(tl.int64) * s_h
     # the rebuild also stores fp16(Q0) for the subspace iteration, which does not follow here: masked off
@@ -152,7 +152,8 @@ def _prepared(pool, which: str, nw: int, cap: int | None):
     entry = cache.get(key)
     if entry is None or entry[0] != memory:
         launcher = _launch_load if which == "load" else _launch_states
-        static = dict(tensors, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, **_constants(pool, which))
+        static = dict(tensors, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, HS=g.head_stride,
+                      **_constants(pool, which))
         entry = cache[key] = (memory, launcher.prepare(static, compile_options(nw, cap)))
     return entry[1]
 

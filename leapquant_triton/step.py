@@ -210,14 +210,14 @@ def _piece_columns(b_x1, b_x2, b_x3, b_x4, o_c, FIRST: tl.constexpr):
 @triton.jit
 def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, hcnt,
                           sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h, so_n, so_h, scale, NS, HV, G,
-                          SS, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                          SS, HS, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
                           R: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
                           NATIVE: tl.constexpr, DUE: tl.constexpr):
     """One token into the ring of (idx[n], hv) and ``out[n, hv] = scale S_t q``; grid (N, HV).
 
     Token tensors (any float dtype; strides ``s*_n``, ``s*_h`` of their first two dims, unit last stride): q, k
     [N, H, K] with H = HV / G; v [N, HV, V]; g [N, HV, K] (KDA) or [N, HV]; beta [N, HV]; out [N, HV, V]. Pool:
-    ``codes``, ``skv``, ``uq`` int8, fp32, fp16 views of ``raw``, region (s, hv) at word s SS + hv V K; the ring
+    ``codes``, ``skv``, ``uq`` int8, fp32, fp16 views of ``raw``, region (s, hv) at word s SS + hv HS; the ring
     rows kbuf [L, K], ubuf [L, V], w [L], pcum [K] or [1], gbuf [L, K] (KDA; GDN: any pointer), hcnt, at row
     s HV + hv. A row whose slot is not real gets out = 0 and writes nothing else.
 
@@ -235,7 +235,7 @@ def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf
         return
     i_h = i_hv // G
     i_sh = i_s * HV + i_hv  # int64: NS HV L K passes 2^31 at a few thousand slots
-    o_reg = i_s * SS + i_hv * (V * K)
+    o_reg = i_s * SS + i_hv * HS
     p_cd, p_skv, p_uq, p_kb, p_ub, p_w, p_pc, p_gb = _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf,
                                                                      o_reg, i_sh, K, V, L, IS_KDA)
     # the codes first: the largest load, and it depends on nothing but the slot (mode 2: most pairs leave)
@@ -307,7 +307,7 @@ def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf
 @triton.jit
 def leapquant_step_fma_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, hcnt,
                           sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h, so_n, so_h, scale, NS, HV, G,
-                          SS, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                          SS, HS, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
                           R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr, IS_KDA: tl.constexpr,
                           USE_QK_L2NORM: tl.constexpr, NATIVE: tl.constexpr):
     """:func:`leapquant_step_kernel` without tensor cores, for sm_75 (Triton cannot lower its int8 product there):
@@ -316,7 +316,7 @@ def leapquant_step_fma_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, 
 
     Token tensors (any float dtype; strides ``s*_n``, ``s*_h`` of their first two dims, unit last stride): q, k
     [N, H, K] with H = HV / G; v [N, HV, V]; g [N, HV, K] (KDA) or [N, HV]; beta [N, HV]; out [N, HV, V]. Pool:
-    ``codes``, ``skv``, ``uq`` int8, fp32, fp16 views of ``raw``, region (s, hv) at word s SS + hv V K; the ring
+    ``codes``, ``skv``, ``uq`` int8, fp32, fp16 views of ``raw``, region (s, hv) at word s SS + hv HS; the ring
     rows kbuf [L, K], ubuf [L, V], w [L], pcum [K] or [1], gbuf [L, K] (KDA; GDN: any pointer), hcnt, at row
     s HV + hv. A row whose slot is not real gets out = 0 and writes nothing else."""
     i_n, i_hv = tl.program_id(0), tl.program_id(1)
@@ -329,7 +329,7 @@ def leapquant_step_fma_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, 
         return
     i_h = i_hv // G
     i_sh = i_s * HV + i_hv  # int64: NS HV L K passes 2^31 at a few thousand slots
-    o_reg = i_s * SS + i_hv * (V * K)
+    o_reg = i_s * SS + i_hv * HS
     _, p_skv, p_uq, p_kb, p_ub, p_w, p_pc, p_gb = _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, o_reg,
                                                                  i_sh, K, V, L, IS_KDA)
     p_cd = codes + o_reg * 4 + tl.arange(0, BV)[:, None] * K + o_k[None, :]
@@ -445,7 +445,7 @@ def _prepared(pool, use_qk_l2norm: bool, fma: bool | None, due: int = 0):
     entry = cache.get(key)
     if entry is None or entry[0] != memory:
         kernel, consts, options = step_build(g, pool.convention, use_qk_l2norm, _capability(pool.raw.device), fma)
-        static = dict(tensors, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, **consts)
+        static = dict(tensors, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, HS=g.head_stride, **consts)
         if "DUE" in consts:
             static["DUE"] = due
         entry = cache[key] = (memory, _LAUNCHERS[kernel].prepare(static, options))

@@ -76,11 +76,11 @@ def _poison_tail(pool, s: int, h: int, count: int, nan: bool, g: torch.Generator
                        .view(tail.shape).to(tail.device))
 
 
-def _case(gate, K, V, L, R, HV, convention, seed, counts, num_slots=5):
-    """A poisoned pool whose slots 1..3 have valid checkpoints and rings with the fill counts ``counts`` over their
-    (slot, head)s in turn."""
+def _case(gate, K, V, L, R, HV, convention, seed, counts, num_slots=5, layout="engine"):
+    """A poisoned pool (of ``layout``, SPEC §2) whose slots 1..3 have valid checkpoints and rings with the fill counts
+    ``counts`` over their (slot, head)s in turn."""
     g = torch.Generator().manual_seed(seed)
-    pool = leapquant.Pool(num_slots, HV, K, V, L, R, gate=gate, convention=convention, device=DEVICE)
+    pool = leapquant.Pool(num_slots, HV, K, V, L, R, gate=gate, convention=convention, device=DEVICE, layout=layout)
     _randomise(pool, g)
     i = 0
     for s in (1, 2, 3):
@@ -129,7 +129,7 @@ def _run_step(pool, idx: list[int], H: int, dtype, use_qk_l2norm: bool, layout: 
     twins = []
     for _ in range(2):
         p = leapquant.Pool(pool.num_slots, pool.heads, pool.head_k, pool.head_v, pool.ring, pool.rank, gate=pool.gate,
-                           convention=pool.convention, device=DEVICE)
+                           convention=pool.convention, device=DEVICE, layout=pool.layout)
         parity.restore(p, before)
         twins.append(p)
     A, B = twins
@@ -230,7 +230,7 @@ def _check(pool_before: dict, A, B, tok: dict, idx_t, out_ref, out, use_qk_l2nor
 def _measure_flush(pool, idx_t):
     """SPEC §4 for the flush inside the step, on a twin."""
     twin = leapquant.Pool(pool.num_slots, pool.heads, pool.head_k, pool.head_v, pool.ring, pool.rank, gate=pool.gate,
-                          convention=pool.convention, device=DEVICE)
+                          convention=pool.convention, device=DEVICE, layout=pool.layout)
     parity.restore(twin, parity.snapshot(pool))
     p = parity.measure(twin, idx_t, "triton", flush_fn=flush_pool)
     assert p.ok(), p.failures()
