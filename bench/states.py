@@ -16,6 +16,10 @@ the bytes it must move over the copy bandwidth measured in the same run:
 
 Each in the V-first layout ``[n, HV, V, K]`` and FLA's ``[n, HV, K, V]`` (``state_v_first=False``). After timing, the
 results are checked: ``states`` against the reference to fp32 rounding, ``load_states`` by ``leapquant.parity``.
+
+The same run times ``leapquant.flush(..., check=False)`` of an engine-layout pool and of a compact one (SPEC §2) with
+the same contents, all due and 1/16 due (the rings restored before each replay): the compact layout must not make the
+flush slower (issue 24: within 5 %).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from .timing import capture, copy_bandwidth, device_info, device_slug, module_ve
 
 # issue 24's targets at 256 x 32 heads: x floor
 TARGETS = {"load_states": 4.0, "states": 1.5}
+# the compact layout's flush over the engine layout's, at most
+LAYOUT_TARGET = 1.05
 # other builds of the Triton kernels timed with --sweep: (warps, register cap; 0 = none); the default is the flush's
 SWEEP = ((8, 0), (4, 0), (16, 0))
 
@@ -127,6 +133,7 @@ def run(device: torch.device, batch: int, heads: int, head_k: int, head_v: int, 
                   state_v_first=True, build=build)
     restore()
     check = _check(pool, slots, backend, gen)
+    layouts = _layouts(pool, slots, backend, bps, budget_s, reps)
     smi = nvidia_smi() if device.type == "cuda" else {}
     return {
         "what": "load_states / states timings beside their floors (bench/states.py)",
@@ -134,9 +141,62 @@ def run(device: torch.device, batch: int, heads: int, head_k: int, head_v: int, 
                  "gate": gate, "backend": chosen},
         "device": device_info(device), "driver": smi.get("driver"), "cpu": platform.processor(),
         "versions": {m: module_version(m) for m in ("leapquant", "torch", "triton")},
-        "bandwidth": bw, "bytes_per_head": tb, "cases": cases, "check": check,
+        "bandwidth": bw, "bytes_per_head": tb, "cases": cases, "check": check, "layouts": layouts,
         "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
+
+
+def _layouts(pool, slots, backend: str, bps: float, budget_s: float, reps: tuple) -> list[dict]:
+    """The flush of ``pool`` (engine layout) and of a compact copy of it, all due and 1/16 due, each beside its floor
+    (the due programs' traffic, ``bench.flush.floor_bytes``)."""
+    from leapquant import parity
+    from leapquant.constants import BASE_WORDS
+    from leapquant.workloads import fill
+
+    from .flush import _Rings, floor_bytes, program_bytes
+
+    g = pool.geometry
+    fill(pool, slots.cpu(), "gaussian", torch.Generator().manual_seed(1))  # load_states emptied the rings
+    compact = leapquant.Pool(g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, gate=g.gate,
+                             device=pool.device, layout="compact")
+    for name in ("codes", "s_k", "s_v", "uq", "kbuf", "ubuf", "w", "pcum", "gbuf"):
+        if getattr(pool, name) is not None:
+            getattr(compact, name).copy_(getattr(pool, name))
+    B, HV, L = slots.numel(), g.heads, g.ring
+    gen = torch.Generator().manual_seed(16)
+    rows = []
+    # one flush of the same contents, all due: the two layouts must hold the same bytes after it
+    saved = [_Rings(p) for p in (pool, compact)]
+    for p in (pool, compact):
+        p.hcnt[slots.long()] = L
+        leapquant.flush(p, slots, backend=backend, check=False)
+    same = all(torch.equal(parity.as_bytes(getattr(pool, n)), parity.as_bytes(getattr(compact, n)))
+               for n in ("codes", "s_k", "s_v", "uq", "w", "pcum"))
+    for r in saved:
+        r.restore()
+    for frac, due_count in (("1", B * HV), ("1/16", max(1, B * HV // 16))):
+        flat = torch.zeros(B * HV, dtype=torch.bool)
+        flat[torch.randperm(B * HV, generator=gen)[:due_count]] = True
+        hcnt = torch.where(flat.reshape(B, HV), L, 0).to(torch.int32).to(pool.device)
+        for layout, p in (("engine", pool), ("compact", compact)):
+            p.hcnt[slots.long()] = hcnt
+            rings = _Rings(p)
+            fn = lambda p=p: leapquant.flush(p, slots, backend=backend, check=False)  # noqa: E731
+            fn()
+            rings.restore()
+            graph = capture(fn, p.device)
+            t = time_replays(graph, rings.restore, p.device, budget_s=budget_s, min_reps=reps[0], max_reps=reps[1])
+            rings.restore()
+            floor_us = floor_bytes(program_bytes(p), due_count, B) / bps * 1e6
+            rows.append({"layout": layout, "due": frac, "programs": due_count, "median_us": t.median * 1e6,
+                         "floor_us": floor_us, "x_floor": t.median * 1e6 / floor_us,
+                         "raw_bytes_per_slot": (p.raw.numel() - BASE_WORDS) * 4 // g.num_slots})
+            print(f"flush {frac:>4} due, {layout:<8} {t.median * 1e6:10.1f} us  floor {floor_us:8.1f} us", flush=True)
+        rows[-1]["over_engine"] = rows[-1]["median_us"] / rows[-2]["median_us"]
+        rows[-1]["meets_target"] = rows[-1]["over_engine"] <= LAYOUT_TARGET
+    for r in rows:
+        r["same_bytes_as_engine"] = same
+    return rows
 
 
 def markdown(doc: dict) -> str:
@@ -155,6 +215,18 @@ def markdown(doc: dict) -> str:
         mark = "met" if r["meets_target"] else "missed"
         lines.append(f"| {r['case']} | {r['median_us']:.1f} us | {r['floor_us']:.1f} us | {r['x_floor']:.2f} | "
                      f"<= {r['target_x_floor']:g} ({mark}) | {r['GBps']:.0f} |")
+    if doc.get("layouts"):
+        lines += ["", "Flush (`leapquant.flush`, check=False, CUDA-graph replays, rings restored between them) of the "
+                  "engine layout's pool and of a compact pool with the same contents:", "",
+                  "| due | layout | raw bytes per slot (past the header) | time | floor | x floor | compact / engine |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for r in doc["layouts"]:
+            ratio = (f"{r['over_engine']:.3f} (<= {LAYOUT_TARGET:g}: {'met' if r['meets_target'] else 'missed'})"
+                     if "over_engine" in r else "")
+            lines.append(f"| {r['due']} | {r['layout']} | {r['raw_bytes_per_slot']:,} | {r['median_us']:.1f} us | "
+                         f"{r['floor_us']:.1f} us | {r['x_floor']:.2f} | {ratio} |")
+        lines.append(f"\nAfter one flush of the same contents both pools hold the same bytes: "
+                     f"{'yes' if doc['layouts'][0]['same_bytes_as_engine'] else 'NO'}.")
     ck = doc["check"]
     lines += ["", f"Check after timing: states vs reference max relative error {ck['states_max_rel_err']:.2e}; "
               f"load_states parity ratio mean {ck['load_parity']['ratio_mean']:.5f}, worst "

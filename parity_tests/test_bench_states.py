@@ -42,3 +42,10 @@ def test_cpu_smoke(tmp_path, backend):
         assert c["bytes"] == 2 * 2 * doc["bytes_per_head"][c["kind"]] + 2 * 4
     assert doc["check"]["ok"], doc["check"]
     assert "| states, FLA layout |" in (tmp_path / "states_cpu.md").read_text()
+    # the flush of both layouts: all due and 1/16 due, the same bytes after one flush of the same contents
+    lay = doc["layouts"]
+    assert [(r["due"], r["layout"]) for r in lay] == [("1", "engine"), ("1", "compact"), ("1/16", "engine"),
+                                                      ("1/16", "compact")]
+    assert all(r["median_us"] > 0 and r["floor_us"] > 0 and r["same_bytes_as_engine"] for r in lay), lay
+    # K = V = 64, rank 4: 5,632 B per compact checkpoint; the engine layout 16 KiB per head and a spare head
+    assert (lay[0]["raw_bytes_per_slot"], lay[1]["raw_bytes_per_slot"]) == (3 * 16384, 2 * 5632)
