@@ -339,3 +339,20 @@ def test_plans_follow_the_pools_memory():
     del pool, twin, first
     gc.collect()
     assert len(host._PLANS) == n - 1
+
+
+@pytest.mark.xfail(strict=DEVICE == "cpu", reason="known: the fp16 subspace iteration (the seed's numerics) loses to the fp32 "
+                   "reference by 3.1 % on one program of this large-column rank-2 state, past SPEC §4's 1.02")
+def test_known_large_columns_rank2_case():
+    """A case a random draw of ``test_parity.py::test_flush_meets_spec`` found (KDA 128 x 128, L = 8, R = 2,
+    ``large_columns``, seed 4360): program ratios 1.031 and 0.998, batch RMS 1.015. The tree before the reliability
+    changes gives the same ratios, so it is the kernel's arithmetic, not a regression. Kept strict so that a fix shows
+    up here as an unexpected pass."""
+    from .strategies import build_case
+
+    case = build_case(heads=2, head_k=128, head_v=128, ring=8, rank=2, gate="kda", convention="vllm",
+                      regime="large_columns", rows=1, due_frac=1.0, padding=0, seed=4360, device=DEVICE,
+                      num_slots=8)
+    p = parity.measure(case.pool, case.idx, "triton")
+    assert p.count == 2
+    assert p.backend_ok(), p.summary()
