@@ -60,3 +60,13 @@ def compute_devices() -> list[str]:
 def pytest_report_header(config):
     rows = [f"{i.name}: {'available' if i.available else 'unavailable'} ({i.reason})" for i in leapquant.backends()]
     return ["leapquant backends: " + "; ".join(rows), f"devices under test: {devices()}"]
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch CPU thread for the test: its tensors are small, and two threads on a busy 2-core runner made the
+    simulation's steps many times slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -3,6 +3,9 @@ its tensors from a ``torch.Generator`` seeded by the drawn seed."""
 
 from __future__ import annotations
 
+import copy
+import io
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -93,3 +96,16 @@ def random_bits(t: torch.Tensor, gen: torch.Generator) -> None:
     """Fill a tensor with random bit patterns (NaNs and infinities included) through an integer view."""
     iv = t.view(torch.uint8)
     iv.copy_(torch.randint(0, 256, iv.shape, generator=gen, dtype=torch.uint8).to(iv.device))
+
+
+def reloaded(obj, how: str):
+    """``obj`` after a round trip: ``"pickle"``, ``"deepcopy"``, ``"torch.save"`` or ``"torch.save weights_only"``
+    (``torch.load`` with that flag)."""
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(obj))
+    if how == "deepcopy":
+        return copy.deepcopy(obj)
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=how.endswith("weights_only"))

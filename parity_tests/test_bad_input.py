@@ -22,9 +22,6 @@ The Triton kernel runs through its interpreter on the CPU (the conftest sets ``T
 (64 x 64 heads, two heads), in both of its schedules.
 """
 
-import copy
-import io
-import pickle
 import threading
 
 import pytest
@@ -35,6 +32,7 @@ from leapquant import parity
 from leapquant.workloads import fill
 
 from .conftest import backends_here
+from .strategies import reloaded
 
 BACKENDS = ["reference"] + (["triton:grid", "triton:list"] if "triton" in backends_here("cpu") else [])
 GATES = ["kda", "gdn"]
@@ -490,15 +488,7 @@ def test_pickled_pool_aliases_raw(how):
     """A pool comes back from pickle and ``torch.save`` / ``torch.load`` with its views aliasing its ``raw`` again,
     so a flush (``check=False``) updates the loaded ``raw``: the bytes a flush of the original gives."""
     pool = _pool()
-    if how == "pickle":
-        back = pickle.loads(pickle.dumps(pool))
-    elif how == "deepcopy":
-        back = copy.deepcopy(pool)
-    else:
-        buf = io.BytesIO()
-        torch.save(pool, buf)
-        buf.seek(0)
-        back = torch.load(buf, weights_only=how.endswith("weights_only"))
+    back = reloaded(pool, how)
     assert isinstance(back, leapquant.Pool) and _aliases(back)
     assert back.raw.data_ptr() != pool.raw.data_ptr()
     assert _same_bytes(parity.snapshot(back), parity.snapshot(pool)) == []

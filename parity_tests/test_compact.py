@@ -13,9 +13,6 @@ interpreter: few slots and heads.
 
 from __future__ import annotations
 
-import copy
-import io
-import pickle
 import zlib
 
 import pytest
@@ -28,6 +25,7 @@ from leapquant.backends import BackendError
 from leapquant.constants import BASE_WORDS
 from leapquant.memory import formats
 
+from .strategies import reloaded
 from .test_triton_kernel import _fill_program, _randomise
 
 triton = pytest.importorskip("triton")
@@ -157,15 +155,7 @@ def test_pickled_compact_pool_aliases_raw(how):
     pool, g = _compact(4, 2, 64, 64, 8, 2, "gdn", seed=3)
     for s, h in [(1, 0), (2, 1)]:
         _fill_program(pool, s, h, g)
-    if how == "pickle":
-        back = pickle.loads(pickle.dumps(pool))
-    elif how == "deepcopy":
-        back = copy.deepcopy(pool)
-    else:
-        buf = io.BytesIO()
-        torch.save(pool, buf)
-        buf.seek(0)
-        back = torch.load(buf, weights_only=True)
+    back = reloaded(pool, how)
     assert back.layout == "compact" and back.raw.numel() == pool.raw.numel()
     st = back.raw.untyped_storage().data_ptr()
     for name in VIEWS:

@@ -11,7 +11,6 @@ suite runs the full length with ``drift_check("triton", device="cuda")``.
 import importlib
 
 import pytest
-import torch
 
 import leapquant
 from leapquant import simulate as sim
@@ -23,13 +22,7 @@ INTERPRETED_TOKENS = 128
 registry = importlib.import_module("leapquant.backends")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # small tensors; two threads on a busy 2-core runner slow the reference down many times
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # parity_tests/conftest.py
 
 
 def _failures(rows):

@@ -11,13 +11,7 @@ import leapquant
 from leapquant.simulate import Method, decode_stream, exact_recurrence, quantise_rows, recurrent_step, simulate
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # the simulation's tensors are small; two threads on a busy 2-core runner made pool.append 20-200x slower
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # parity_tests/conftest.py
 
 
 # gate -> (synthetic worst state error, structured worst state error): bound (measured)
