@@ -29,8 +29,9 @@ import time
 
 import torch
 
-# The decode simulation's LeapQuant output error (KDA, rank 4, ring 16, after 2,048 tokens; bench/results/simulate/
-# simulate.md, "output worst": any head at any record): the bound a round trip's decode outputs are held to
+# The decode simulation's LeapQuant output error, per token (KDA, rank 4, ring 16, 2,048 tokens: the worst of any head
+# at every 16th token, as bench/results/simulate/simulate.md reported it before its output column became means over
+# each window of 16): the bound a round trip's decode outputs, also per token, are held to
 SIMULATION_OUTPUT_WORST = {"synthetic": 1.87e-2, "structured": 7.84e-3}
 
 
