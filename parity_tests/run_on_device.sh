@@ -5,7 +5,8 @@
 # unpacked into a .tar.xz) and the fla-core wheel (python3 -m pip download --no-deps -d .device/whl fla-core; the
 # simulation test checks against FLA). The parity suite for the backends named in $BACKENDS (default
 # triton,tilelang,reference): the per-regime table, then pytest within --pytest-budget in $PYTEST_WORKERS processes;
-# writes $OUT/gpu_report.md and .json. The pytest part leaves out what does not involve a GPU backend and runs in CI
+# writes $OUT/gpu_report.md and .json; then the reliability checks (parity_tests/gpu_reliability.py, RELIABILITY=0
+# leaves them out). The pytest part leaves out what does not involve a GPU backend and runs in CI
 # anyway (compile checks, simulation, benchmark smoke tests, the fp32 reference on the CPU): $PYTEST_K. A time limit
 # keeps a hang from eating the call (the device allows 10 minutes a command).
 set -o pipefail
@@ -31,4 +32,17 @@ LEAPQUANT_TEST_BACKENDS="$BACKENDS" timeout 420 python3 -m parity_tests.gpu_suit
 rc=$?
 echo "gpu_suite exit $rc"
 tail -45 "$OUT/gpu_report.md" 2>/dev/null || tail -30 "$OUT/suite.log"
+# SPEC §5.2 on the GPU (RELIABILITY=0 leaves it out): a captured flush replayed twice, repeated slots, and the
+# repeated-slot flush under compute-sanitizer's memcheck and racecheck
+if [ "${RELIABILITY:-1}" = 1 ]; then
+    timeout 150 python3 -m parity_tests.gpu_reliability > "$OUT/reliability.txt" 2>&1 || rc=1
+    tail -n 1 "$OUT/reliability.txt"
+    if command -v compute-sanitizer > /dev/null; then
+        for tool in memcheck racecheck; do
+            timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 3 python3 -m parity_tests.gpu_reliability \
+                --sanitize > "$OUT/sanitizer_$tool.txt" 2>&1 || rc=1
+            tail -n 1 "$OUT/sanitizer_$tool.txt"
+        done
+    fi
+fi
 exit $rc
