@@ -47,10 +47,12 @@ def check_geometry(geo: "Geometry", convention: str) -> None:
         raise ValueError(f"gate must be 'kda' or 'gdn', got {geo.gate!r}")
     if convention not in ("vllm", "sglang"):
         raise ValueError(f"convention must be 'vllm' or 'sglang', got {convention!r}")
-    if geo.layout not in ("engine", "compact"):
+    from .pool import LAYOUTS
+
+    if geo.layout not in LAYOUTS:
         raise ValueError(f"layout must be 'engine' or 'compact', got {geo.layout!r}")
-    if geo.checkpoint_bytes > 4 * geo.region_words:
-        raise ValueError(f"checkpoint ({geo.checkpoint_bytes} B) does not fit the region ({4 * geo.region_words} B)")
+    if geo.checkpoint_bytes > 4 * geo.head_stride:
+        raise ValueError(f"checkpoint ({geo.checkpoint_bytes} B) does not fit the region ({4 * geo.head_stride} B)")
 
 
 def check_iters(iters) -> None:

@@ -54,11 +54,6 @@ class Geometry:
         return self.head_v * self.head_k
 
     @property
-    def region_words(self) -> int:
-        """A head's region, in fp32 words: its checkpoint, and in the engine layout the rest of an fp32 state's room."""
-        return self.head_stride
-
-    @property
     def slot_stride(self) -> int:
         # the engine layout keeps one spare head per slot, as in the seed; the compact one nothing between slots
         extra = 1 if self.layout == "engine" else 0

@@ -187,7 +187,7 @@ def test_untouched_judge_sees_every_forbidden_write(gate):
         edit()
         return parity.untouched_failures(pool, before, slots, heads)
 
-    region = pool.base + 2 * pool.geometry.slot_stride + 1 * pool.geometry.region_words  # (2, 1): not due
+    region = pool.base + 2 * pool.geometry.slot_stride + 1 * pool.geometry.head_stride  # (2, 1): not due
     assert judged(lambda: pool.raw.view(torch.uint8)[4 * region + 5].add_(1)) == [
         "raw: 1 bytes outside the due checkpoints changed"]
     assert judged(lambda: pool.w[2, 1, 0].add_(1.0)) == ["w of a program that was not due changed"]
