@@ -148,6 +148,16 @@ def restore(pool: Pool, snap: dict[str, torch.Tensor]) -> None:
         getattr(pool, n).view(torch.uint8).view(-1).copy_(b.view(-1))
 
 
+def twin(pool: Pool) -> Pool:
+    """A new pool like ``pool`` (geometry, layout, convention, ITERS, start matrix, device) holding its bytes: the
+    other side of a comparison of two calls on the same contents."""
+    g = pool.geometry
+    other = Pool(g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, gate=g.gate, convention=pool.convention,
+                 device=pool.device, q0=pool.q0.clone(), iters=pool.iters, layout=g.layout)
+    restore(other, snapshot(pool))
+    return other
+
+
 def untouched_failures(pool: Pool, before: dict[str, torch.Tensor], slots: torch.Tensor,
                        heads: torch.Tensor, hcnt: int | None = None) -> list[str]:
     """What a flush of the programs ``(slots[i], heads[i])`` did that SPEC §2 forbids, given the pool's

@@ -51,11 +51,6 @@ def _pool(gate: str, slots: int, heads: int, seed: int):
     return pool
 
 
-def _twin(pool):
-    twin = leapquant.Pool(pool.num_slots, pool.heads, pool.head_k, pool.head_v, pool.ring, pool.rank, gate=pool.gate,
-                          device=pool.device)
-    parity.restore(twin, parity.snapshot(pool))
-    return twin
 
 
 def _diff(a: dict, b: dict) -> list[str]:
@@ -85,7 +80,7 @@ def replay_twice(backend: str, gate: str) -> list[str]:
 
 def repeated_slots(backend: str, gate: str, slots: int = 9, heads: int = 32) -> list[str]:
     pool = _pool(gate, slots, heads, seed=5)
-    twin = _twin(pool)
+    twin = parity.twin(pool)
     once = torch.arange(1, slots, dtype=torch.int32, device="cuda")
     thrice = torch.cat([once, once.flip(0), once])
     _flush(backend, twin, once)

@@ -45,12 +45,6 @@ def _pool(gate="kda", num_slots=6, heads=2, convention="vllm", seed=1, due=None)
     return pool
 
 
-def _twin(pool):
-    twin = leapquant.Pool(pool.num_slots, pool.heads, pool.head_k, pool.head_v, pool.ring, pool.rank, gate=pool.gate,
-                          convention=pool.convention)
-    parity.restore(twin, parity.snapshot(pool))
-    return twin
-
 
 def _flush(backend, pool, idx, monkeypatch, check=True):
     """``leapquant.flush`` with ``backend`` (``"triton:grid"`` / ``"triton:list"``: that schedule of the kernel)."""
@@ -93,7 +87,7 @@ def test_step_after_flush_is_the_step(gate):
     a ``step`` that flushes the full rings itself."""
     B, HV, K, V = 3, 2, 64, 64
     a = _pool(gate, num_slots=B + 1)
-    b = _twin(a)
+    b = parity.twin(a)
     idx = torch.arange(1, B + 1, dtype=torch.int32)
     gen = torch.Generator().manual_seed(5)
     q, k = torch.randn(B, HV, K, generator=gen), torch.nn.functional.normalize(torch.randn(B, HV, K, generator=gen), dim=-1)
@@ -128,7 +122,7 @@ def test_repeated_slot_is_flushed_once(backend, convention, monkeypatch):
     """With ``check=False`` a slot named several times is flushed once: the bytes of a flush of the distinct slots
     (on a GPU the repeats were programs writing one region at once)."""
     pool = _pool("kda", convention=convention)
-    twin = _twin(pool)
+    twin = parity.twin(pool)
     pad = 0 if convention == "vllm" else -1
     _flush(backend, pool, _i32(2, 1, 2, pad, 1, 2), monkeypatch, check=False)
     _flush(backend, twin, _i32(2, 1), monkeypatch)
@@ -173,7 +167,7 @@ def test_reference_matches_the_kernel_on_tiny_states(monkeypatch):
         pytest.skip("needs the Triton interpreter")
     a = _pool()
     _decayed_empty_ring(a)
-    b = _twin(a)
+    b = parity.twin(a)
     _flush("reference", a, _i32(1, 2), monkeypatch)
     _flush("triton:grid", b, _i32(1, 2), monkeypatch)
     for name in ("codes", "s_kv", "u"):
@@ -217,7 +211,7 @@ def test_threads_flushing_disjoint_slots():
     halves = (_i32(1, 2, 3, 4, 5, 6), _i32(7, 8, 9, 10, 11, 12))
     for round_ in range(16):
         fill(pool, list(range(1, 13)), "gaussian", gen)
-        twin = _twin(pool)
+        twin = parity.twin(pool)
         for idx in halves:
             leapquant.flush(twin, idx, backend="reference")
         start = threading.Barrier(2)
@@ -339,7 +333,7 @@ def test_raw_inside_a_larger_buffer():
     big = torch.zeros(pool.raw.numel() + 1024)
     raw = big[1024:]
     raw.copy_(pool.raw)
-    other = leapquant.Pool.from_tensors(**{**_parts(_twin(pool)), "raw": raw}, **_geometry(pool))
+    other = leapquant.Pool.from_tensors(**{**_parts(parity.twin(pool)), "raw": raw}, **_geometry(pool))
     assert other.codes.data_ptr() == raw.data_ptr() + 4 * pool.base
     leapquant.flush(pool, _i32(1, 3), backend="reference")
     leapquant.flush(other, _i32(1, 3), backend="reference")
@@ -550,7 +544,7 @@ def test_compile_with_check():
     run time (they read ``idx`` on the host, which tracing cannot), so the call compiles, flushes as in eager mode,
     and a bad ``idx`` still raises the checks' error."""
     pool = _pool()
-    twin = _twin(pool)
+    twin = parity.twin(pool)
 
     @torch.compile(backend="eager", fullgraph=True)
     def go(idx):
