@@ -150,8 +150,8 @@ class _Plan:
         self.due_list = None
         if schedule == "list":
             self.due_list = _launch_due_list.prepare(
-                dict(hcnt=hcnt, w=w, pcum=pcum, NS=g.num_slots, HV=g.heads, FIRST=consts["FIRST"], K=g.head_k,
-                     L=g.ring, HB=triton.next_power_of_2(g.heads), IS_KDA=consts["IS_KDA"], PDL=pdl),
+                dict(hcnt=hcnt, NS=g.num_slots, HV=g.heads, FIRST=consts["FIRST"], L=g.ring,
+                     HB=triton.next_power_of_2(g.heads), PDL=pdl),
                 dict(num_warps=1, **FP_FUSION, launch_pdl=pdl))
 
 

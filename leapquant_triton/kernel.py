@@ -114,11 +114,12 @@ def _prefetch(work, n_due, q, codes, kbuf, ubuf, w, gbuf, HV, SS, HS, K: tl.cons
 
 
 @triton.jit
-def due_list_kernel(idx, hcnt, w, pcum, work, NS, HV, FIRST: tl.constexpr, K: tl.constexpr, L: tl.constexpr,
-                    HB: tl.constexpr, IS_KDA: tl.constexpr, PDL: tl.constexpr):
+def due_list_kernel(idx, hcnt, work, NS, HV, FIRST: tl.constexpr, L: tl.constexpr, HB: tl.constexpr,
+                    PDL: tl.constexpr):
     """Grid ``(N,)``: appends row n's due pairs as ``slot HV + head`` to ``work[1:]`` and counts them in ``work[0]``
-    (zeroed before): one atomic add per row, a prefix sum within it. A pair is listed if it is due, row n is the
-    first row naming its slot (at most once per call) and its ring holds something (idempotence)."""
+    (zeroed before): one atomic add per row, a prefix sum within it. A pair is listed if it is due and row n is the
+    first row naming its slot (at most once per call); whether its ring holds anything the flush program asks itself
+    (from L1, after its loads: reading the rings here made the list a dependent load longer, +11 % at 1/16)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()  # the flush may start: it waits for this grid before reading work
@@ -128,21 +129,7 @@ def due_list_kernel(idx, hcnt, w, pcum, work, NS, HV, FIRST: tl.constexpr, K: tl
     # a select: Triton 3.9's interpreter rejects `&` of a block and a scalar comparison as a mask
     m_h = tl.where((i_s >= FIRST) & (i_s < NS), o_h < HV, False)
     b_due = tl.load(hcnt + i_s * HV + o_h, mask=m_h, other=0) == L
-    b_due = tl.where(_named_before(idx, i_n, i_s) == 0, b_due, False)
-    # the rings of the due heads only (masked loads: nothing is read for the others)
-    o_sh = i_s * HV + o_h
-    o_l = tl.arange(0, L)
-    b_w = tl.load(w + o_sh[:, None] * L + o_l[None, :], mask=b_due[:, None] & (o_l[None, :] < L), other=0.0)
-    n_live = tl.sum((b_w != 0.0).to(tl.int32), axis=1)
-    if IS_KDA:
-        for c in tl.static_range(0, K, 32):  # [HB, 32] at a time: 32 values per lane of the one warp
-            o_k = c + tl.arange(0, 32)
-            b_pc = tl.load(pcum + o_sh[:, None] * K + o_k[None, :], mask=b_due[:, None] & (o_k[None, :] < K),
-                           other=0.0)
-            n_live += tl.sum((b_pc != 0.0).to(tl.int32), axis=1)
-    else:
-        n_live += (tl.load(pcum + o_sh, mask=b_due, other=1.0) != 1.0).to(tl.int32)
-    b_due = (b_due & (n_live > 0)).to(tl.int32)
+    b_due = tl.where(_named_before(idx, i_n, i_s) == 0, b_due, False).to(tl.int32)
     n_due = tl.sum(b_due, axis=0)
     if n_due > 0:
         base = tl.atomic_add(work, n_due)
@@ -490,11 +477,13 @@ def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum,
     b_s = _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, q0, p_e, p_qt, m_q, K, V, L, R, BL, BR, IS_KDA,
                    BF16_DOTS)
     if not LIST:
-        # what due_list_kernel decides for the list: once per call, and nothing for an empty ring. Here, after the
-        # rebuild's loads, so that its w and pcum come from L1 and the scan's latency is not added before them; the
-        # pool is not written before this point
-        if (_named_before(idx, i_n, i_s) > 0) | ~_ring_has_entries(p_w, p_pc, K, L, BL, IS_KDA):
+        # what due_list_kernel decides for the list: once per call. Here, after the rebuild's loads, so that the
+        # scan's latency is not added before them; the pool is not written before this point
+        if _named_before(idx, i_n, i_s) > 0:
             return
+    # nothing for an empty ring (both schedules): its w and pcum come from L1 after the rebuild's loads
+    if not _ring_has_entries(p_w, p_pc, K, L, BL, IS_KDA):
+        return
     _subspace_iteration(b_s, p_y, p_gram, p_cn, p_q16, p_qt, m_q, V, R, BR, ITERS)
     b_q16, b_ut16 = _new_factors(b_s, p_cn, p_qt, m_q)
     b_s = _residual(b_s, b_q16, b_ut16)
