@@ -28,7 +28,7 @@ PYTEST_BUDGET="${PYTEST_BUDGET:-330}"
 PYTEST_WORKERS="${PYTEST_WORKERS:-6}"
 PYTEST_ARGS=(--pytest-budget "$PYTEST_BUDGET" --workers "$PYTEST_WORKERS" -k "$PYTEST_K")
 [ "$PYTEST_BUDGET" = 0 ] && PYTEST_ARGS=(--skip-pytest)
-LEAPQUANT_TEST_BACKENDS="$BACKENDS" timeout 420 python3 -m parity_tests.gpu_suite --profile dev --out "$OUT" \
+LEAPQUANT_TEST_BACKENDS="$BACKENDS" timeout $((PYTEST_BUDGET + 200)) python3 -m parity_tests.gpu_suite --profile dev --out "$OUT" \
     "${PYTEST_ARGS[@]}" > "$OUT/suite.log" 2>&1
 rc=$?
 echo "gpu_suite exit $rc"
