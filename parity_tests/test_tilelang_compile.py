@@ -55,7 +55,8 @@ def ptxas_usage(source: str, arch: str, tmp_path) -> dict[str, int]:
     regs = re.search(r"Used (\d+) registers", log)
     spills = re.search(r"(\d+) bytes spill stores", log)
     assert regs and spills, f"no ptxas resource report in:\n{log[-2000:]}"
-    return {"registers": int(regs.group(1)), "spill_stores": int(spills.group(1))}
+    return {"registers": int(regs.group(1)), "spill_stores": int(spills.group(1)),
+            "cubin_bytes": (tmp_path / "flush.cubin").stat().st_size}
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
@@ -89,6 +90,22 @@ def test_compiles_for_target(arch, gate, tmp_path):
     usage = ptxas_usage(source, arch, tmp_path)
     assert usage["registers"] <= MAX_REGISTERS
     assert usage["spill_stores"] <= MAX_SPILL_BYTES, usage
+
+
+# the cubin of the KDA build at 257 slots (KMAX = 20 unrolled compaction steps): 128 KB before the first-row scan,
+# 335 KB with the scan inlined into every unrolled step, 161 KB with one copy of it (compiled on this machine)
+MAX_CUBIN_BYTES = 200_000
+
+
+@pytest.mark.xfail(strict=True, reason="known: the first-row scan is inlined into each unrolled compaction step "
+                   "(335 KB; the launch +16 us on the H200, +45 % at 1/16 due); docs/DESIGN.md, 'Reliability'")
+def test_compaction_code_stays_small(tmp_path):
+    """The compaction every CTA runs before its first program is code walked once per launch (a pool of 257 slots
+    unrolls it 20 times, KMAX). When its SASS grew 2.7x the launch's fixed cost grew 16 us on the H200: the size is
+    the suspected cause, not yet confirmed by a smaller build's timing."""
+    source, _ = lower("sm_90a", "kda", num_slots=257)
+    usage = ptxas_usage(source, "sm_90a", tmp_path)
+    assert usage["cubin_bytes"] <= MAX_CUBIN_BYTES, usage
 
 
 @pytest.mark.parametrize("first_slot", [0, 1])
