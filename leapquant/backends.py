@@ -61,8 +61,12 @@ class Requirements:
             return False, f"rank={g.rank} not supported (supports {self.ranks})"
         if pool.convention not in self.conventions:
             return False, f"convention {pool.convention!r} not supported"
-        if g.layout not in self.layouts:
-            return False, f"layout {g.layout!r} not supported (supports {self.layouts})"
+        return self.check_layout(pool)
+
+    def check_layout(self, pool: "Pool") -> tuple[bool, str]:
+        """The pool's layout against :attr:`layouts` (also asked before availability: it holds on every machine)."""
+        if pool.geometry.layout not in self.layouts:
+            return False, f"layout {pool.geometry.layout!r} not supported (supports {self.layouts})"
         return True, "ok"
 
 
@@ -92,7 +96,11 @@ class Backend:
         return True, "ok"
 
     def supports(self, pool: "Pool") -> tuple[bool, str]:
-        """Whether this backend can flush ``pool`` (geometry, device), and why not."""
+        """Whether this backend can flush ``pool`` (geometry, device), and why not. The layout comes first: a reason
+        that holds on every machine, and the one a caller can act on."""
+        ok, why = self.requirements.check_layout(pool)
+        if not ok:
+            return ok, why
         ok, why = self.available()
         if not ok:
             return ok, why

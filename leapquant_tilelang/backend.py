@@ -41,7 +41,8 @@ class TileLangBackend(Backend):
         notes=(
             "one CTA per SM scans every due flag: the launch is fixed for a pool and N (graph-capturable)",
             "slots: a CTA's share of all programs must fit its due list (about 8,400 slots of 32 heads on 132 SMs)",
-            "layout: engine only; the compact layout is the Triton backend's (docs/DESIGN.md, \"Compact layout\")",
+            "layout: engine only (its slot and head strides are built into its TMA descriptors and staging); the "
+            "compact layout is the Triton backend's (docs/DESIGN.md, \"Compact layout\")",
         ),
     )
 
@@ -59,11 +60,6 @@ class TileLangBackend(Backend):
         return True, "ok"
 
     def supports(self, pool: "Pool") -> tuple[bool, str]:
-        if pool.layout != "engine":
-            # before availability: the reason holds on every machine, and it is the one a caller can act on
-            return False, (f"layout {pool.layout!r} not supported: the TileLang kernel addresses the engine layout "
-                           f"(SPEC §2), its slot and head strides built into its TMA descriptors and staging, and "
-                           f"no compact build of it has been run on a GPU; use backend 'triton' or 'reference'")
         ok, why = super().supports(pool)
         if not ok:
             return ok, why
