@@ -50,7 +50,7 @@ def check_geometry(geo: "Geometry", convention: str) -> None:
     from .pool import LAYOUTS
 
     if geo.layout not in LAYOUTS:
-        raise ValueError(f"layout must be 'engine' or 'compact', got {geo.layout!r}")
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {geo.layout!r}")
     if geo.checkpoint_bytes > 4 * geo.head_stride:
         raise ValueError(f"checkpoint ({geo.checkpoint_bytes} B) does not fit the region ({4 * geo.head_stride} B)")
 

@@ -51,8 +51,6 @@ def _pool(gate: str, slots: int, heads: int, seed: int):
     return pool
 
 
-
-
 def _diff(a: dict, b: dict) -> list[str]:
     return [n for n in a if not torch.equal(a[n], b[n])]
 

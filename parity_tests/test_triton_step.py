@@ -126,13 +126,7 @@ def _run_step(pool, idx: list[int], H: int, dtype, use_qk_l2norm: bool, layout: 
     idx_t = torch.tensor(idx, dtype=torch.int32, device=DEVICE)
     tok = _tokens(pool, len(idx), H, dtype, layout, g)
     before = parity.snapshot(pool)
-    twins = []
-    for _ in range(2):
-        p = leapquant.Pool(pool.num_slots, pool.heads, pool.head_k, pool.head_v, pool.ring, pool.rank, gate=pool.gate,
-                           convention=pool.convention, device=DEVICE, layout=pool.layout)
-        parity.restore(p, before)
-        twins.append(p)
-    A, B = twins
+    A, B = parity.twin(pool), parity.twin(pool)
     flush_pool(A, idx_t)
     A.hcnt.copy_(torch.where(A.hcnt == A.ring, torch.zeros_like(A.hcnt), A.hcnt))  # flushed: entry 0 next
     out_ref = torch.full((len(idx), pool.heads, pool.head_v), float("nan"), device=DEVICE)
@@ -229,10 +223,7 @@ def _check(pool_before: dict, A, B, tok: dict, idx_t, out_ref, out, use_qk_l2nor
 
 def _measure_flush(pool, idx_t):
     """SPEC §4 for the flush inside the step, on a twin."""
-    twin = leapquant.Pool(pool.num_slots, pool.heads, pool.head_k, pool.head_v, pool.ring, pool.rank, gate=pool.gate,
-                          convention=pool.convention, device=DEVICE, layout=pool.layout)
-    parity.restore(twin, parity.snapshot(pool))
-    p = parity.measure(twin, idx_t, "triton", flush_fn=flush_pool)
+    p = parity.measure(parity.twin(pool), idx_t, "triton", flush_fn=flush_pool)
     assert p.ok(), p.failures()
     return p
 
