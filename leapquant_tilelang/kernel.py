@@ -16,7 +16,7 @@ time. A consumer group runs one program as these phases, in this order (SPEC §3
 
 A program whose ring holds nothing since its last flush (SPEC §2: every ``w`` zero, KDA ``pcum`` all 0, GDN
 ``pcum = 1``) only hands its stage back (``ring_has_entries``), and the compaction lists a (slot, head) only for the
-first row of ``idx`` naming the slot (``named_before``): a flush is idempotent and flushes each (slot, head) at most
+first row of ``idx`` naming the slot (``first_rows``): a flush is idempotent and flushes each (slot, head) at most
 once, whatever ``idx`` repeats.
 
 Numerics (the seed's deployed configuration, SPEC §3 last paragraph):
@@ -140,6 +140,7 @@ class Shared:
     due_list: T.Buffer
     due_count: T.Buffer
     warp_due: T.Buffer
+    first_row: T.Buffer  # [NS] int32 over ``state`` (the compaction only): the first row of idx naming each slot
     loaded: T.Buffer
     consumed: T.Buffer
 
@@ -307,6 +308,8 @@ def flush_kernel(
     # state_shared row stride: conflict-free fragment stores, ldmatrix rows and 16 B row reads; the pad columns hold the
     # fp16 Q tile
     KP = K + 8
+    if NS > NCG * V * KP // 2:  # first_row lies over state_shared (unreachable: the due list's bound comes first)
+        raise ValueError(f"{NS} slots exceed the compaction's first-row table ({NCG * V * KP // 2} entries)")
     KV8 = K + V + 8  # newf_shared row stride (halfwords): 528 B -> conflict-free ldmatrix rows
     P16OFF = 4 * KV8  # fp16 P tile (K x 8) at halfword offset 4 rows into newf_shared (after the fp32 Q plane)
     # KDA: the lo2 tile of the decayed keys sits in state_shared rows LO2_ROW.., columns 64.. during the residual, where
@@ -343,21 +346,32 @@ def flush_kernel(
 
     # ---- compaction: every CTA ranks all due programs the same way and keeps those of rank == bid (mod SMS) ----
     @T.macro
-    def named_before(pool: PoolViews, row, slot, wlane, hit: T.Buffer):
-        """``hit[0]`` nonzero iff a row of ``idx`` before ``row`` names ``slot`` (warp-uniform; 32 rows per load, a
-        ballot each): such a row's due flags are dropped, so that a slot named twice is flushed once. The warp's lanes
-        must all run it (``row`` and ``slot`` are the same in every lane)."""
-        hit[0] = T.uint32(0)
-        for c in T.serial(T.ceildiv(row, 32)):
-            m = c * 32 + wlane
-            hit[0] = hit[0] | warp_ballot((m < row) & (pool.idx[T.min(m, N - 1)] == slot))
+    def first_rows(pool: PoolViews, sm: Shared, tx):
+        """``first_row[s]`` = the first row of ``idx`` naming slot ``s``, for every real slot ``idx`` names (a shared
+        minimum: memory and time linear in ``N``); the compaction keeps a row's due flags only where it is that row, so
+        that a slot named twice is flushed once."""
+        for i in T.unroll(T.ceildiv(N, NT), unroll_factor=1):  # not unrolled: ptxas then spills 180 B more
+            s = pool.idx[T.min(tx + NT * i, N - 1)]
+            if (tx + NT * i < N) & (s >= first_slot) & (s < NS):
+                sm.first_row[s] = N
+        T.sync_threads(14, NT)
+        for i in T.unroll(T.ceildiv(N, NT), unroll_factor=1):
+            s = pool.idx[T.min(tx + NT * i, N - 1)]
+            if (tx + NT * i < N) & (s >= first_slot) & (s < NS):
+                T.call_extern(I32, "atomicMin", T.address_of(sm.first_row[s]), tx + NT * i)  # ATOMS
+        T.sync_threads(14, NT)
+
+    def first_only(sm: Shared, row, slot):
+        """``slot`` where ``row`` is the first row naming it, else -1 (not a real slot: the row's due flags are 0)."""
+        return T.if_then_else(sm.first_row[T.min(T.max(slot, 0), NS - 1)] == row, slot, -1)
 
     @T.macro
-    def load_tail(ck, wid, wlane, pool: PoolViews, sl8: T.Buffer, hc8: T.Buffer):
+    def load_tail(ck, wid, wlane, pool: PoolViews, sm: Shared, sl8: T.Buffer, hc8: T.Buffer):
         """Slots and fill counts of the warp's n-steps KMAX + 8 ck .. KMAX + 8 ck + 7 (batches past KMAX * NWARPS
-        rows), clamped like the register steps."""
+        rows), clamped and first rows only like the register steps."""
         for j in T.unroll(8):
-            sl8[j] = pool.idx[T.max(T.min(wid + NWARPS * (KMAX + ck * 8 + j), N - 1), 0)]
+            sl8[j] = first_only(sm, wid + NWARPS * (KMAX + ck * 8 + j),
+                                pool.idx[T.max(T.min(wid + NWARPS * (KMAX + ck * 8 + j), N - 1), 0)])
         for j in T.unroll(8):
             hc8[j] = pool.hcnt[T.min(T.max(sl8[j], 0), NS - 1), wlane]
 
@@ -378,34 +392,27 @@ def flush_kernel(
         slk = T.alloc_local((KMAX,), I32)
         hck = T.alloc_local((KMAX,), I32)
         mk = T.alloc_local((KMAX,), "uint32")
-        # all loads in flight at once (explicit clamps: no guard branches; the flag rejects what the clamp hid)
+        first_rows(pool, sm, tx)  # first: nothing is live across its barriers
+        # all loads in flight at once (explicit clamps: no guard branches; the flag rejects what the clamp hid); a row
+        # that is not the first naming its slot names no slot
         for k in T.unroll(KMAX):
-            slk[k] = pool.idx[T.max(T.min(wid + NWARPS * k, N - 1), 0)]
+            slk[k] = first_only(sm, wid + NWARPS * k, pool.idx[T.max(T.min(wid + NWARPS * k, N - 1), 0)])
         for k in T.unroll(KMAX):
             hck[k] = pool.hcnt[T.min(T.max(slk[k], 0), NS - 1), wlane]
-        hit = T.alloc_local((1,), "uint32")
         for k in T.unroll(KMAX):
             f = due_flag(k, wid + NWARPS * k, slk[k], hck[k], kn[0])
             mk[k] = warp_ballot(f)
-            if mk[k] != T.uint32(0):  # a row with a due head: only the first row naming its slot keeps it
-                named_before(pool, wid + NWARPS * k, slk[k], wlane, hit)
-                if hit[0] != T.uint32(0):
-                    mk[k] = T.uint32(0)
             cnt[0] += popc(mk[k])
         sl8 = T.alloc_local((8,), I32)
         hc8 = T.alloc_local((8,), I32)
         tb = T.alloc_local((1,), "uint32")
         # the tail (N > KMAX * NWARPS only): serial chunks of 8 n-steps, flags recomputed in the rank pass
         for ck in T.serial(T.ceildiv(kn[0] - KMAX, 8)):
-            load_tail(ck, wid, wlane, pool, sl8, hc8)
+            load_tail(ck, wid, wlane, pool, sm, sl8, hc8)
             for j in T.unroll(8):
                 k = KMAX + ck * 8 + j
                 f = due_flag(k, wid + NWARPS * k, sl8[j], hc8[j], kn[0])
                 tb[0] = warp_ballot(f)
-                if tb[0] != T.uint32(0):
-                    named_before(pool, wid + NWARPS * k, sl8[j], wlane, hit)
-                    if hit[0] != T.uint32(0):
-                        tb[0] = T.uint32(0)
                 cnt[0] += popc(tb[0])
         if wlane == 0:
             sm.warp_due[wid] = cnt[0]
@@ -437,15 +444,11 @@ def flush_kernel(
                     rst[0] += sms
                     rst[1] += 1
             for ck in T.serial(T.ceildiv(kn[0] - KMAX, 8)):
-                load_tail(ck, wid, wlane, pool, sl8, hc8)
+                load_tail(ck, wid, wlane, pool, sm, sl8, hc8)
                 for j in T.unroll(8):
                     k = KMAX + ck * 8 + j
                     f = due_flag(k, wid + NWARPS * k, sl8[j], hc8[j], kn[0])
                     tb[0] = warp_ballot(f)
-                    if tb[0] != T.uint32(0):  # the same drop as in the count pass
-                        named_before(pool, wid + NWARPS * k, sl8[j], wlane, hit)
-                        if hit[0] != T.uint32(0):
-                            tb[0] = T.uint32(0)
                     if ((tb[0] >> T.cast(wlane, "uint32")) & T.uint32(1)) == T.uint32(1):
                         rank = base[0] + popc(tb[0] & lmask)
                         if (rank % sms == bid) & (rank // sms < MAXIT):
@@ -546,11 +549,12 @@ def flush_kernel(
         live[0] = 0
         for j in T.unroll(L):
             live[0] = live[0] | T.if_then_else(sm.weights[th.g, j] != 0.0, 1, 0)
-        if KDA:
-            for c in T.unroll(K):
-                live[0] = live[0] | T.if_then_else(sm.pcum[th.g, c] != 0.0, 1, 0)
-        else:
-            live[0] = live[0] | T.if_then_else(pool.pcum[slot, hv, 0] != 1.0, 1, 0)
+        if live[0] == 0:  # the scale only for a ring without weights (rare: right after a flush)
+            if KDA:
+                for c in T.unroll(K):
+                    live[0] = live[0] | T.if_then_else(sm.pcum[th.g, c] != 0.0, 1, 0)
+            else:
+                live[0] = live[0] | T.if_then_else(pool.pcum[slot, hv, 0] != 1.0, 1, 0)
 
     # ---- SPEC §3 steps 1-4, the rebuild: B = the state minus the old rank-R part, fp16 into state_shared ----
     @T.macro
@@ -1122,6 +1126,8 @@ def flush_kernel(
             due_list = T.alloc_shared((MAXIT,), I32)  # this CTA's due programs (rank == bid mod SMS), rank order
             due_count = T.alloc_shared((1,), I32)
             warp_due = T.alloc_shared((NWARPS,), I32)  # per-warp due counts of the compaction
+            # over state_shared, which no one touches before the compaction's last barrier
+            first_row = T.view(state_shared, (NCG * V * KP // 2,), I32)
             if KDA:
                 # the decay factors (TMA target, fp16 bits), then the lo part of the decayed keys
                 keys_lo_shared = T.alloc_shared((NCG, 2, L, K // 2), BF16)
@@ -1140,7 +1146,7 @@ def flush_kernel(
                         weights=weights_shared, factors=factors_shared, keys_lo=keys_lo_shared, pcum=pcum_shared,
                         state=state_shared, newf=newf_shared, qrows=qrows_shared, newf_flat=newf_flat,
                         colsum=colsum_shared, decay=decay_shared, due_list=due_list, due_count=due_count,
-                        warp_due=warp_due, loaded=loaded, consumed=consumed)
+                        warp_due=warp_due, first_row=first_row, loaded=loaded, consumed=consumed)
             pool = PoolViews(codes=codes, s_k=s_k, s_v=s_v, s_kv=s_kv, kbuf=kbuf, ubuf=ubuf, w=w, pcum=pcum, gbuf=gbuf,
                              hcnt=hcnt, uq=uq, q0=q0, idx=idx)
             tx = T.get_thread_binding()
