@@ -8,8 +8,8 @@ gates:
 * **idempotent under CUDA graphs**: a flush with ``check=False`` captured once; the first replay flushes the due
   programs, the second must leave every byte of the pool as the first left it (nothing in the rings since);
 * **at most once per call**: ``idx`` naming each due slot three times, with ``check=False``, must leave the same bytes
-  as ``idx`` naming each once (the kernels would otherwise flush a region from two programs at once), for 8 and 128
-  slots.
+  as ``idx`` naming each once (the kernels would otherwise flush a region from two programs at once), on pools of 9
+  and 129 slots (8 and 128 named).
 
 ``--sanitize``: only the repeated-slot flush, once per backend and gate, on a small pool, for
 ``compute-sanitizer --tool memcheck|racecheck python -m parity_tests.gpu_reliability --sanitize`` (the tool's

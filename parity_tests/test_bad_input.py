@@ -45,7 +45,6 @@ def _pool(gate="kda", num_slots=6, heads=2, convention="vllm", seed=1, due=None)
     return pool
 
 
-
 def _flush(backend, pool, idx, monkeypatch, check=True):
     """``leapquant.flush`` with ``backend`` (``"triton:grid"`` / ``"triton:list"``: that schedule of the kernel)."""
     if backend.startswith("triton:"):
