@@ -40,6 +40,11 @@ class Requirements:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def check(self, pool: "Pool") -> tuple[bool, str]:
+        """The pool against every requirement: its layout, then its device and geometry."""
+        ok, why = self.check_layout(pool)
+        return self.check_device_and_geometry(pool) if ok else (ok, why)
+
+    def check_device_and_geometry(self, pool: "Pool") -> tuple[bool, str]:
         g = pool.geometry
         dev = pool.device
         if dev.type not in self.devices:
@@ -61,7 +66,7 @@ class Requirements:
             return False, f"rank={g.rank} not supported (supports {self.ranks})"
         if pool.convention not in self.conventions:
             return False, f"convention {pool.convention!r} not supported"
-        return self.check_layout(pool)
+        return True, "ok"
 
     def check_layout(self, pool: "Pool") -> tuple[bool, str]:
         """The pool's layout against :attr:`layouts` (also asked before availability: it holds on every machine)."""
@@ -104,7 +109,7 @@ class Backend:
         ok, why = self.available()
         if not ok:
             return ok, why
-        return self.requirements.check(pool)
+        return self.requirements.check_device_and_geometry(pool)
 
     def flush(self, pool: "Pool", idx: torch.Tensor) -> None:
         """Flush the due programs of ``idx`` (int32 ``[N]`` on the pool's device) in place.
