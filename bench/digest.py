@@ -8,6 +8,8 @@ conventions, the grid and the list schedules of the Triton backend) with a seede
 with ``check=False``. ``--baseline DIR`` takes another version's ``leapquant``, ``leapquant_triton`` and
 ``leapquant_tilelang`` packages, as ``python -m bench --baseline`` does, runs the same cases under them in a
 subprocess, and exits 1 if any case's bytes differ: a refactoring that claims "behaviour unchanged" shows it here.
+``--backends triton`` (or ``tilelang``) digests one backend only: after a change to one kernel, the other's compiles
+are skipped in both trees; ``--backends reference`` runs on a CPU too.
 """
 
 from __future__ import annotations
@@ -50,13 +52,17 @@ def _case_pool(case: tuple, device: torch.device):
     return pool, slots.to(torch.int32).to(device)
 
 
-def digests(device: torch.device) -> list[dict]:
-    """One record per (case, backend that supports it): the SHA-256 of all pool bytes after one flush."""
+BACKENDS = ("triton", "tilelang", "reference")
+GPU_BACKENDS = BACKENDS[:2]
+
+
+def digests(device: torch.device, backends: tuple = GPU_BACKENDS) -> list[dict]:
+    """One record per (case, backend of ``backends`` that supports it): the SHA-256 of all pool bytes after a flush."""
     import leapquant
 
     out = []
     for case in CASES:
-        for backend in ("triton", "tilelang"):
+        for backend in backends:
             pool, idx = _case_pool(case, device)
             b = leapquant.get_backend(backend)
             ok, why = b.available()
@@ -83,11 +89,17 @@ def main(argv=None) -> int:
                     help="where the pools live (default: cuda if there is a GPU)")
     ap.add_argument("--baseline", default=None, metavar="DIR",
                     help="another version's packages (see python -m bench --help); compare its bytes with these")
+    ap.add_argument("--backends", default=",".join(GPU_BACKENDS),
+                    help="comma-separated backends to digest (default: %(default)s)")
     ap.add_argument("--json", action="store_true", help="print the records as JSON lines only")
     args = ap.parse_args(argv)
+    backends = tuple(b.strip() for b in args.backends.split(",") if b.strip())
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown or not backends:
+        ap.error(f"--backends: {', '.join(unknown) or 'none given'}; choose from {', '.join(BACKENDS)}")
     import leapquant
 
-    mine = digests(torch.device(args.device))
+    mine = digests(torch.device(args.device), backends)
     if args.json:
         for r in mine:
             print(json.dumps(r))
@@ -97,13 +109,15 @@ def main(argv=None) -> int:
         for r in mine:
             print(r["backend"], r["case"], r.get("sha256") or f"skipped: {r['skipped']}")
         return 0
-    # run from DIR: `python -m` puts the working directory first on the path, so DIR's packages shadow these
+    # this file's cases under DIR's packages: `-c` puts DIR (the working directory) first on the path, and run_path
+    # adds no folder of its own, so bench/'s modules cannot shadow anything
     cwd = str(Path(args.baseline).resolve())
-    here = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([cwd, here] + ([os.environ["PYTHONPATH"]]
-                                                                    if os.environ.get("PYTHONPATH") else [])))
-    res = subprocess.run([sys.executable, "-m", "bench.digest", "--json", "--device", args.device], cwd=cwd,
-                         env=env, capture_output=True, text=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([cwd] + ([os.environ["PYTHONPATH"]]
+                                                             if os.environ.get("PYTHONPATH") else [])))
+    code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+    res = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve()), "--json", "--device",
+                          args.device, "--backends", ",".join(backends)], cwd=cwd, env=env, capture_output=True,
+                         text=True)
     if res.returncode != 0:
         print(res.stderr[-3000:], file=sys.stderr)
         return 2

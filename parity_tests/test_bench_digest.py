@@ -1,0 +1,55 @@
+"""``python -m bench.digest --baseline``: it runs its cases under the other tree's packages and tells equal bytes from
+different ones (the reference backend, so that it runs on a CPU)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# appended to the baseline copy's leapquant/__init__.py: every flush then flips one bit of the pool
+TAMPER = '''
+_flush_unchanged = flush
+
+
+def flush(pool, idx, *args, **kwargs):
+    out = _flush_unchanged(pool, idx, *args, **kwargs)
+    pool.raw.view(torch.uint8).view(-1)[0] ^= 1
+    return out
+'''
+
+
+def _baseline(tmp_path: Path, tamper: bool) -> Path:
+    for pkg in ("leapquant", "leapquant_triton", "leapquant_tilelang"):
+        shutil.copytree(ROOT / pkg, tmp_path / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    if tamper:
+        init = tmp_path / "leapquant" / "__init__.py"
+        init.write_text(init.read_text() + "\nimport torch\n" + TAMPER)
+    return tmp_path
+
+
+def _digest(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench.digest", "--device", "cpu", "--backends", "reference", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("tamper", [False, True], ids=["same-packages", "one-bit-flipped"])
+def test_baseline_comparison(tmp_path, tamper):
+    res = _digest("--baseline", str(_baseline(tmp_path, tamper)))
+    n = 8  # bench.digest.CASES, all supported by the reference
+    if tamper:
+        assert res.returncode == 1, res.stdout + res.stderr
+        assert f"0 cases with the same bytes, {n} different" in res.stdout
+    else:
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert f"{n} cases with the same bytes, 0 different" in res.stdout
+
+
+def test_unknown_backend_is_refused():
+    res = subprocess.run([sys.executable, "-m", "bench.digest", "--backends", "triton,fla"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2
+    assert "--backends: fla; choose from triton, tilelang, reference" in res.stderr
