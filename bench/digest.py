@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -109,15 +108,12 @@ def main(argv=None) -> int:
         for r in mine:
             print(r["backend"], r["case"], r.get("sha256") or f"skipped: {r['skipped']}")
         return 0
-    # this file's cases under DIR's packages: `-c` puts DIR (the working directory) first on the path, and run_path
-    # adds no folder of its own, so bench/'s modules cannot shadow anything
+    # this file's cases under DIR's packages: `-c` puts DIR (the working directory) first on the path, ahead of
+    # PYTHONPATH and site-packages, and run_path adds no folder of its own, so bench/'s modules cannot shadow anything
     cwd = str(Path(args.baseline).resolve())
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([cwd] + ([os.environ["PYTHONPATH"]]
-                                                             if os.environ.get("PYTHONPATH") else [])))
     code = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
     res = subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve()), "--json", "--device",
-                          args.device, "--backends", ",".join(backends)], cwd=cwd, env=env, capture_output=True,
-                         text=True)
+                          args.device, "--backends", ",".join(backends)], cwd=cwd, capture_output=True, text=True)
     if res.returncode != 0:
         print(res.stderr[-3000:], file=sys.stderr)
         return 2
