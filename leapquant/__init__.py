@@ -13,7 +13,8 @@ from .backends import Backend, BackendError, BackendInfo, Requirements, backends
 from .backends import get as get_backend
 from .constants import EPS, QMAX
 from .ops import flush, run, select, step
-from .pool import Geometry, Pool, start_matrix
+from .geometry import Geometry
+from .pool import Pool, start_matrix
 
 __version__ = "0.1.0"
 

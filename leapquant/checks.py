@@ -19,7 +19,8 @@ import torch
 from .constants import BASE_WORDS, SUPPORTED_HEAD_DIMS, SUPPORTED_RANKS, SUPPORTED_RINGS
 
 if TYPE_CHECKING:
-    from .pool import Geometry, Pool
+    from .geometry import Geometry
+    from .pool import Pool
 
 # the largest max|S| load_states and append accept: 2^24 times the widest domain SPEC §4 judges (2^40), and far below
 # where fp32 sums of |E| over V overflow (about 2^120 at V = 128, which would store NaN codes)
@@ -47,7 +48,7 @@ def check_geometry(geo: "Geometry", convention: str) -> None:
         raise ValueError(f"gate must be 'kda' or 'gdn', got {geo.gate!r}")
     if convention not in ("vllm", "sglang"):
         raise ValueError(f"convention must be 'vllm' or 'sglang', got {convention!r}")
-    from .pool import LAYOUTS
+    from .geometry import LAYOUTS
 
     if geo.layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {geo.layout!r}")
@@ -150,7 +151,7 @@ def check_pool_type(pool) -> None:
 def check_pool(pool: "Pool") -> None:
     """The pool's tensors still have the dtypes, shapes, strides, devices, storage and aliasing its geometry says
     (metadata only: no synchronisation). Remembered on the pool until one of its attributes is assigned."""
-    from .pool import view_layouts
+    from .geometry import view_layouts
 
     check_pool_type(pool)
     g = pool.geometry

@@ -11,3 +11,6 @@ BASE_WORDS = 12288  # fp32 words before slot 0's region in the pool's raw buffer
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_RINGS = (8, 16, 32)
 SUPPORTED_RANKS = (1, 2, 3, 4)
+# 1.5 * 2^23: adding it to an fp32 |x| <= 2^22 rounds x half to even and leaves the integer in the low mantissa bits
+# (the kernels' quantisation; libdevice's rint differs in the interpreter)
+ROUND_MAGIC = 12582912.0

@@ -22,7 +22,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from leapquant.pool import Geometry
+from leapquant.geometry import Geometry
 
 from .backend import STEP_CAPABILITIES, SUPPORTED_CAPABILITIES
 from .host import SCHEDULES, compile_options, kernel_constants, maxnreg_for, mma_sync_only, num_warps_for

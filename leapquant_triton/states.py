@@ -208,7 +208,7 @@ def compile_one(arch: int, shape, which: str, state_v_first: bool = True):
     ``sm_<arch>`` at ``shape`` (a :class:`.portability.Shape`), the state's unit stride specialised as Triton does
     for a dense tensor of that layout, and check it as the flush's builds are checked (registers, spills, shared
     memory, ``mma.sync``): a :class:`.portability.Report`."""
-    from leapquant.pool import Geometry
+    from leapquant.geometry import Geometry
 
     from . import portability as aot
 
