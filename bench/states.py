@@ -63,7 +63,7 @@ def transfer_bytes(pool) -> dict:
 def _check(pool, slots, backend: str, gen: torch.Generator) -> dict:
     """The timed backend's results on two rows: ``states`` against the reference, ``load_states`` by SPEC §4."""
     from leapquant import parity
-    from leapquant import reference as ref
+    from leapquant import formulas as ref
 
     few = slots[:2]
     got = pool.states(few, backend=backend, check=False).cpu()
@@ -77,7 +77,6 @@ def _check(pool, slots, backend: str, gen: torch.Generator) -> dict:
 
 def run(device: torch.device, batch: int, heads: int, head_k: int, head_v: int, gate: str, backend: str,
         budget_s: float, sweep: bool) -> dict:
-    from leapquant.states import select_states
     from leapquant.workloads import fill
 
     gen = torch.Generator().manual_seed(0)
@@ -85,7 +84,7 @@ def run(device: torch.device, batch: int, heads: int, head_k: int, head_v: int, 
     pool = leapquant.Pool(B + 1, HV, head_k, head_v, gate=gate, device=device)
     slots = torch.arange(1, B + 1, dtype=torch.int32, device=device)
     fill(pool, slots.cpu(), "gaussian", gen)  # checkpoints and full rings: the state as a decode leaves it
-    chosen = select_states(pool, backend).name
+    chosen = leapquant.select(pool, backend, op="states").name
     S = {True: pool.states(slots, backend=backend), False: None}
     S[False] = S[True].transpose(-1, -2).contiguous()
     out = {v: torch.empty_like(S[v]) for v in (True, False)}

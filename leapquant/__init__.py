@@ -8,9 +8,10 @@
 cannot run here.
 """
 
-from . import reference
-from .backends import Backend, BackendError, BackendInfo, Requirements, backends, register
-from .backends import get as get_backend
+from . import formulas, reference
+from .backends import Backend, BackendError, Requirements
+from .registry import BackendInfo, backends, register
+from .registry import get as get_backend
 from .constants import EPS, QMAX
 from .ops import flush, run, select, step
 from .geometry import Geometry
@@ -29,6 +30,7 @@ __all__ = [
     "Requirements",
     "backends",
     "flush",
+    "formulas",
     "get_backend",
     "reference",
     "register",

@@ -18,8 +18,9 @@ import torch
 
 from .constants import BASE_WORDS, SUPPORTED_HEAD_DIMS, SUPPORTED_RANKS, SUPPORTED_RINGS
 
+from .geometry import LAYOUTS, Geometry, view_layouts
+
 if TYPE_CHECKING:
-    from .geometry import Geometry
     from .pool import Pool
 
 # the largest max|S| load_states and append accept: 2^24 times the widest domain SPEC §4 judges (2^40), and far below
@@ -48,8 +49,6 @@ def check_geometry(geo: "Geometry", convention: str) -> None:
         raise ValueError(f"gate must be 'kda' or 'gdn', got {geo.gate!r}")
     if convention not in ("vllm", "sglang"):
         raise ValueError(f"convention must be 'vllm' or 'sglang', got {convention!r}")
-    from .geometry import LAYOUTS
-
     if geo.layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {geo.layout!r}")
     if geo.checkpoint_bytes > 4 * geo.head_stride:
@@ -141,19 +140,9 @@ def check_pool_tensors(geo: "Geometry", tensors: dict, prefix: str = "") -> None
             raise ValueError(f"{prefix}{a} and {prefix}{b} overlap in memory: each pool tensor needs its own bytes")
 
 
-def check_pool_type(pool) -> None:
-    from .pool import Pool
-
-    if not isinstance(pool, Pool):
-        raise TypeError(f"pool must be a leapquant.Pool, got {type(pool).__name__}")
-
-
 def check_pool(pool: "Pool") -> None:
     """The pool's tensors still have the dtypes, shapes, strides, devices, storage and aliasing its geometry says
-    (metadata only: no synchronisation). Remembered on the pool until one of its attributes is assigned."""
-    from .geometry import view_layouts
-
-    check_pool_type(pool)
+    (metadata only: no synchronisation)."""
     g = pool.geometry
     check_geometry(g, pool.convention)
     check_iters(pool.iters)
@@ -167,14 +156,6 @@ def check_pool(pool: "Pool") -> None:
         if t.stride() != strides or t.storage_offset() != offset:
             raise ValueError(f"pool.{name} must be raw's view with strides {strides} at element {offset} (SPEC §2), "
                              f"got strides {t.stride()} at {t.storage_offset()}")
-    object.__setattr__(pool, "_checked", True)
-
-
-def check_pool_layout(pool: "Pool") -> None:
-    """:func:`check_pool` unless the pool passed it and none of its attributes was assigned since (a flag read: the
-    hot path's eager host time stays as it was; the full check costs tens of microseconds)."""
-    if not getattr(pool, "_checked", False):
-        check_pool(pool)
 
 
 def check_pool_values(pool: "Pool") -> None:
@@ -222,12 +203,25 @@ def check_idx(pool: "Pool", idx) -> None:
         raise ValueError(f"idx names slots more than once: {vals[counts > 1].tolist()}")
 
 
-# --- the torch helpers of Pool: append, load_states (values read on the host) -------------------------------------
+SLOT_DTYPES = (torch.int32, torch.int64)
 
 
-def check_slots(pool: "Pool", slots, name: str = "slots", distinct: bool = False) -> torch.Tensor:
-    """``slots`` (a sequence or an integer tensor) as int64 ``[n]`` on the pool's device, every value in
-    ``[0, NS)`` and, with ``distinct``, none twice (a repeated slot's writes would overwrite each other)."""
+def check_slots(pool: "Pool", slots, name: str = "slots", distinct: bool = False, check: bool = True) -> torch.Tensor:
+    """``slots`` as a 1-D integer tensor on the pool's device. ``check``: a sequence or an integer tensor, returned as
+    int64, every value in ``[0, NS)`` and, with ``distinct``, none twice (a repeated slot's writes would overwrite
+    each other), read on the host (a synchronisation). Without ``check``: metadata only, an int32 or int64 1-D
+    contiguous tensor on the pool's device, returned as it is."""
+    if not check:
+        if not isinstance(slots, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor with check=False, got {type(slots).__name__}")
+        if slots.dtype not in SLOT_DTYPES:
+            raise TypeError(f"{name} must be int32 or int64, got {slots.dtype}")
+        if slots.dim() != 1 or not slots.is_contiguous():
+            raise ValueError(f"{name} must be 1-D and contiguous, got shape {list(slots.shape)}, "
+                             f"strides {slots.stride()}")
+        if slots.device != pool.device:
+            raise ValueError(f"{name} must be on the pool's device {pool.device}, got {slots.device}")
+        return slots
     if isinstance(slots, torch.Tensor) and (slots.is_floating_point() or slots.is_complex()
                                             or slots.dtype == torch.bool):
         raise TypeError(f"{name} must hold integers, got {slots.dtype}")
@@ -258,6 +252,57 @@ def check_state_values(states: torch.Tensor, name: str = "states") -> None:
     compress to zero codes). Anything but a floating-point tensor is left to the type checks."""
     if isinstance(states, torch.Tensor) and states.is_floating_point():
         check_finite(states, name)
+
+
+def state_shape(pool: "Pool", n: int, state_v_first: bool) -> tuple[int, int, int, int]:
+    """``[n, HV, V, K]`` (V-first) or ``[n, HV, K, V]`` (FLA's default layout)."""
+    HV, K, V = pool.heads, pool.head_k, pool.head_v
+    return (n, HV, V, K) if state_v_first else (n, HV, K, V)
+
+
+def check_state_tensor(pool: "Pool", t, n: int, state_v_first: bool, name: str, check: bool) -> torch.Tensor:
+    """``t`` as fp32 on the pool's device with the layout's shape: converted with ``check`` (a copy where needed),
+    required as it is without."""
+    want = state_shape(pool, n, state_v_first)
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != want:
+        layout = "[n, HV, V, K]" if state_v_first else "[n, HV, K, V] (state_v_first=False)"
+        raise ValueError(f"{name} must be {layout} = {list(want)} for this pool, got {list(t.shape)}")
+    if check:
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        return t.to(device=pool.device, dtype=torch.float32)
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name} must be float32 with check=False, got {t.dtype}")
+    if t.device != pool.device:
+        raise ValueError(f"{name} must be on the pool's device {pool.device} with check=False, got {t.device}")
+    return t
+
+
+def _dense_heads(t: torch.Tensor) -> bool:
+    """Whether every head's state of ``t`` occupies ``V K`` consecutive words of its own, in the layout's order (a
+    kernel keeps scratch words in its head's words, so heads must not share any)."""
+    n, HV, A, B = t.shape
+    if n * HV == 0:
+        return True
+    own = (HV == 1 or t.stride(1) >= A * B) and (n == 1 or t.stride(0) >= HV * A * B)
+    return t.stride(3) == 1 and t.stride(2) == B and own
+
+
+def check_states_out(pool: "Pool", out, n: int, state_v_first: bool) -> None:
+    """``Pool.states``' ``out``: fp32 on the pool's device, the layout's shape, each head dense in words of its own."""
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
+        raise TypeError(f"out must be a float32 tensor, got {getattr(out, 'dtype', type(out).__name__)}")
+    if out.device != pool.device:
+        raise ValueError(f"out must be on the pool's device {pool.device}, got {out.device}")
+    want = state_shape(pool, n, state_v_first)
+    if tuple(out.shape) != want:
+        raise ValueError(f"out must have shape {list(want)}, got {list(out.shape)}")
+    if not _dense_heads(out):
+        raise ValueError(f"out must hold each head's state densely in words of its own (strides [>= "
+                         f"{out.shape[1] * out.shape[2] * out.shape[3]}, >= {out.shape[2] * out.shape[3]}, "
+                         f"{out.shape[3]}, 1]), got strides {out.stride()}")
 
 
 def check_append(pool: "Pool", slots, k, v, g, beta) -> tuple:
@@ -292,9 +337,6 @@ def check_append(pool: "Pool", slots, k, v, g, beta) -> tuple:
     return s, out["k"], out["v"], out["g"], out["beta"]
 
 
-# --- run and step ------------------------------------------------------------------------------------------------
-
-
 def check_run_inputs(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0) -> tuple[int, int, int, int, int, int]:
     """``leapquant.run``'s tensors against the shapes of ``codes [B, HV, V, K]``, ``u [B, HV, R, K]`` and
     ``kbuf [B, HV, L, K]``: each named where it disagrees. Returns ``(B, HV, V, K, R, L)``."""
@@ -327,9 +369,10 @@ def check_run_inputs(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0) -> tu
 STEP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def token_rows(t, name: str, dims: int, rows: int):
+def token_rows(t, name: str, dims: int, rows: int, form: str = ""):
     """``t`` as its ``[B, ...]`` form with ``dims`` dimensions, from that form or the engines' ``[B, 1, ...]`` and
-    ``[1, B, ...]`` forms: a view, never a copy. Metadata only (no synchronisation)."""
+    ``[1, B, ...]`` forms: a view, never a copy. Metadata only (no synchronisation). ``form`` ends each message (what
+    the tensor should be, e.g. the gate's shape for this pool)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() == dims + 1:
@@ -339,13 +382,19 @@ def token_rows(t, name: str, dims: int, rows: int):
             t = t[0]
         else:
             raise ValueError(f"{name} has {t.dim()} dimensions, so one of its first two must be 1 (one token per "
-                             f"row: [B, 1, ...] or [1, B, ...]), got {list(t.shape)}")
+                             f"row: [B, 1, ...] or [1, B, ...]), got {list(t.shape)}{form}")
     if t.dim() != dims:
         raise ValueError(f"{name} must have {dims} dimensions ([B, ...]) or {dims + 1} ([B, 1, ...] / [1, B, ...]), "
-                         f"got {list(t.shape)}")
+                         f"got {list(t.shape)}{form}")
     if t.shape[0] != rows:
         raise ValueError(f"{name} has {t.shape[0]} rows, idx has {rows}")
     return t
+
+
+def gate_form(gate: str) -> str:
+    """What ``g`` must be for a pool of ``gate``: said in every error about it."""
+    return ("; g is the KDA gate here, [B, HV, K] (one log decay per key channel)" if gate == "kda"
+            else "; g is the GDN gate here, [B, HV] (one log decay per head)")
 
 
 def check_step_inputs(pool: "Pool", q, k, v, g, beta, out) -> None:
@@ -362,7 +411,9 @@ def check_step_inputs(pool: "Pool", q, k, v, g, beta, out) -> None:
         if t.dtype not in STEP_DTYPES:
             raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
         if tuple(t.shape) != shape:
-            raise ValueError(f"{name} must have shape {list(shape)} for this pool ({pool.gate}), got {list(t.shape)}")
+            form = gate_form(pool.gate) if name == "g" else ""
+            raise ValueError(f"{name} must have shape {list(shape)} for this pool ({pool.gate}), got "
+                             f"{list(t.shape)}{form}")
         if t.device != pool.device:
             raise ValueError(f"{name} must be on the pool's device {pool.device}, got {t.device}")
         if t.numel() and t.stride(-1) != 1:

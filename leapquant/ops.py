@@ -3,10 +3,8 @@
 Under ``torch.compile``, ``flush`` goes through the custom op ``leapquant::flush``, which declares the pool tensors it
 mutates and has a fake implementation, so the compiled graph holds one opaque op. In eager code (and under CUDA-graph
 capture) it calls the backend directly: the custom op's Python dispatch of a mutating op costs more host time than a
-sparse flush takes on the GPU (bench/results/host_overhead_h200.md).
-
-Either way the backend runs with the pool's GPU as the current device: Triton launches on the current device (with a
-pool on another GPU it refuses the pointers), and some torch ops of the reference fault there.
+sparse flush takes on the GPU (bench/results/host_overhead_h200.md). Either way the backend runs with the pool's GPU
+as the current device (:func:`leapquant.registry.launch`).
 """
 
 from __future__ import annotations
@@ -15,30 +13,33 @@ from typing import Literal, Optional
 
 import torch
 
-from .backends import Backend, resolve_cached
-from .checks import (check_idx, check_idx_layout, check_pool, check_pool_layout, check_pool_type, check_pool_values,
-                     check_run_inputs, check_step_inputs, token_rows)
+from .backends import Backend
+from .checks import (check_idx, check_idx_layout, check_pool_values, check_run_inputs, check_step_inputs, gate_form,
+                     token_rows)
 from .pool import Pool
+from .registry import launch, resolve
 
 BackendName = Literal["auto", "reference", "triton", "tilelang"] | str
+Op = Literal["flush", "step", "states"]
 
 
-def select(pool: Pool, backend: BackendName = "auto") -> Backend:
-    """The backend ``flush(pool, ..., backend=backend)`` would use (``"auto"``: the fastest that supports the pool).
+def select(pool: Pool, backend: BackendName = "auto", op: Op = "flush") -> Backend:
+    """The backend that ``flush`` (``op="flush"``), ``step`` (``"step"``) or ``Pool.load_states`` / ``Pool.states``
+    (``"states"``) would use on ``pool`` with ``backend=backend`` (``"auto"``: the fastest that supports the pool and
+    implements the operation).
 
     Raises:
-        leapquant.BackendError: unknown backend, or one that cannot flush this pool here (the message says why).
+        TypeError: ``pool`` is not a Pool or ``backend`` not a string.
+        leapquant.BackendError: unknown backend, or one that cannot run ``op`` on this pool here (the message says
+            why).
     """
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-    return resolve_cached(backend, pool)
+    check_pool_type(pool)
+    return resolve(backend, pool, op)
 
 
-def select_step(pool: Pool, backend: BackendName = "auto") -> Backend:
-    """The backend ``step(pool, ..., backend=backend)`` would use (``"auto"``: the fastest with a decode step)."""
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-    return resolve_cached(backend, pool, need_step=True)
+def check_pool_type(pool) -> None:
+    if not isinstance(pool, Pool):
+        raise TypeError(f"pool must be a leapquant.Pool, got {type(pool).__name__}")
 
 
 def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: bool = True) -> None:
@@ -75,17 +76,15 @@ def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: b
         torch.ops.leapquant.flush(*op_args(pool, idx, backend), check=bool(check), layout=pool.layout)
         return
     _check_call(pool, idx, check)
-    _on_pool_device(pool, select(pool, backend).flush, pool, idx)
+    launch(pool, resolve(backend, pool, "flush").flush, idx)
 
 
 def _check_call(pool: Pool, idx: torch.Tensor, check: bool) -> None:
     """The checks of ``flush`` and ``step`` on the pool and ``idx`` (whose layout the caller has checked)."""
+    pool.check_layout(force=check)
     if check:
-        check_pool(pool)
         check_pool_values(pool)
         check_idx(pool, idx)
-    else:
-        check_pool_layout(pool)
 
 
 def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -128,15 +127,14 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         _check_call(pool, idx, check)
     B = idx.numel()
     q, k, v, beta = (token_rows(t, n, d, B) for t, n, d in ((q, "q", 3), (k, "k", 3), (v, "v", 3), (beta, "beta", 2)))
-    g = token_rows(g, "g", 3 if pool.gate == "kda" else 2, B)
+    g = token_rows(g, "g", 3 if pool.gate == "kda" else 2, B, gate_form(pool.gate))
     o = None if out is None else token_rows(out, "out", 3, B)
     check_step_inputs(pool, q, k, v, g, beta, o)
     if o is None:
         o = torch.empty(B, pool.heads, pool.head_v, dtype=q.dtype, device=pool.device)
     scale = float(pool.head_k ** -0.5 if scale is None else scale)
     if not torch.compiler.is_compiling():
-        _on_pool_device(pool, select_step(pool, backend).step, pool, idx, q, k, v, g, beta, scale,
-                        bool(use_qk_l2norm), o)
+        launch(pool, resolve(backend, pool, "step").step, idx, q, k, v, g, beta, scale, bool(use_qk_l2norm), o)
         return o
     torch.ops.leapquant.step(*op_args(pool, idx, backend)[:-1], q, k, v, g, beta, o, scale, bool(use_qk_l2norm),
                              backend, check=bool(check), layout=pool.layout)
@@ -150,16 +148,6 @@ def op_args(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto") -> tup
     g = pool.geometry
     return (pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt, pool.q0, idx,
             g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters, backend)
-
-
-def _on_pool_device(pool: Pool, fn, *args) -> None:
-    """``fn(*args)`` (a backend's flush or step) with the pool's GPU current (restored afterwards), so that its
-    launches go to the pool's device and that device's current stream."""
-    if pool.device.type != "cuda":
-        fn(*args)
-        return
-    with torch.cuda.device(pool.device):
-        fn(*args)
 
 
 def _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, idx, num_slots, heads, head_k, head_v, ring, rank, gate,
@@ -202,7 +190,7 @@ def _flush_op(
 ) -> None:
     pool = _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, idx, num_slots, heads, head_k, head_v, ring, rank, gate,
                     convention, iters, layout, check)
-    _on_pool_device(pool, select(pool, backend).flush, pool, idx)
+    launch(pool, resolve(backend, pool, "flush").flush, idx)
 
 
 @_flush_op.register_fake
@@ -246,7 +234,7 @@ def _step_op(
 ) -> None:
     pool = _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, idx, num_slots, heads, head_k, head_v, ring, rank, gate,
                     convention, iters, layout, check)
-    _on_pool_device(pool, select_step(pool, backend).step, pool, idx, q, k, v, g, beta, scale, use_qk_l2norm, out)
+    launch(pool, resolve(backend, pool, "step").step, idx, q, k, v, g, beta, scale, use_qk_l2norm, out)
 
 
 @_step_op.register_fake

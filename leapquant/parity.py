@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import reference as ref
+from . import formulas as ref
 from .ops import flush
 from .pool import Pool
 

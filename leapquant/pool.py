@@ -13,9 +13,12 @@ from typing import Sequence
 
 import torch
 
-from . import reference
+from . import formulas
+from .checks import (POOL_BASE, check_append, check_geometry, check_iters, check_pool, check_pool_tensors, check_slots,
+                     check_state_tensor, check_state_values, check_states_out, state_shape)
 from .constants import BASE_WORDS, EPS
 from .geometry import Convention, Gate, Geometry, Layout, view_layouts
+from .registry import launch, resolve
 
 
 def _restore(tensors: dict, geometry: dict, convention: str, iters: int) -> "Pool":
@@ -92,8 +95,6 @@ class Pool:
         iters: int = 1,
         layout: Layout = "engine",
     ):
-        from .checks import check_geometry, check_iters, check_pool
-
         geo = Geometry(num_slots, heads, head_k, head_v, ring, rank, gate, layout)
         check_geometry(geo, convention)
         check_iters(iters)
@@ -115,7 +116,7 @@ class Pool:
         q0 = q0.to(device=device, dtype=torch.float32).contiguous()
         self._bind(geo, convention, iters, raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0)
         self.s_kv.fill_(EPS)
-        check_pool(self)  # q0 came from the caller
+        self.check_layout()  # q0 came from the caller
 
     @classmethod
     def from_tensors(cls, raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, *, num_slots, heads, head_k, head_v, ring, rank,
@@ -125,8 +126,6 @@ class Pool:
         tensor's metadata is checked first (no synchronisation): a wrong dtype, shape, device, stride, alignment, a
         storage too short, or two tensors sharing bytes raise a ValueError or TypeError naming it; the caller's
         storage is never resized."""
-        from .checks import POOL_BASE, check_geometry, check_iters, check_pool_tensors
-
         pool = cls.__new__(cls)
         geo = Geometry(num_slots, heads, head_k, head_v, ring, rank, gate, layout)
         check_geometry(geo, convention)
@@ -148,16 +147,22 @@ class Pool:
         self.kbuf, self.ubuf, self.w, self.pcum, self.gbuf, self.hcnt, self.q0 = kbuf, ubuf, w, pcum, gbuf, hcnt, q0
 
     def __setattr__(self, name, value) -> None:
-        # a replaced tensor (or geometry) is checked again before the next launch (checks.check_pool_layout)
+        # a replaced tensor (or geometry) is checked again before the next launch (check_layout)
         if not name.startswith("_"):
             object.__setattr__(self, "_checked", False)
         object.__setattr__(self, name, value)
 
+    def check_layout(self, force: bool = False) -> None:
+        """Check the metadata of every tensor against the geometry (:func:`.checks.check_pool`: dtypes, shapes,
+        strides, devices, storage, aliasing; no synchronisation), unless it passed and no attribute was assigned
+        since (a flag read: the full check costs tens of microseconds of host time on the hot path) or ``force``."""
+        if force or not getattr(self, "_checked", False):
+            check_pool(self)
+            object.__setattr__(self, "_checked", True)
+
     def __reduce__(self):
         """Pickling and ``torch.save``: the base tensors and the geometry; loading rebuilds the pool through
         :meth:`from_tensors`, so its views alias the loaded ``raw`` again (a pickled view would be a detached copy)."""
-        from .checks import POOL_BASE
-
         g = self.geometry
         geometry = dict(num_slots=g.num_slots, heads=g.heads, head_k=g.head_k, head_v=g.head_v, ring=g.ring,
                         rank=g.rank, gate=g.gate, layout=g.layout)
@@ -192,29 +197,17 @@ class Pool:
             f"layout={g.layout!r}, device={str(self.device)!r})"
         )
 
-    def _slots(self, slots: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        from .checks import check_slots
-
-        return check_slots(self, slots)
-
     def checkpoint(self, slots) -> dict[str, torch.Tensor]:
-        """The checkpoint and ring of ``slots`` gathered into fresh dense tensors, keyed by the names of ``run``."""
-        return self._gather(self._slots(slots))
+        """The checkpoint and ring of ``slots`` (checked: in range) gathered into fresh dense tensors, keyed by the
+        names of ``run``."""
+        return self.gather(check_slots(self, slots))
 
-    def _gather(self, s: torch.Tensor) -> dict[str, torch.Tensor]:
-        # no range check (a host sync): the reference backend calls this under CUDA-graph capture
-        out = {
-            "codes": self.codes[s],
-            "s_k": self.s_k[s],
-            "s_v": self.s_v[s],
-            "u": self.u[s],
-            "q": self.q[s],
-            "kbuf": self.kbuf[s],
-            "ubuf": self.ubuf[s],
-            "w": self.w[s],
-            "pcum": self.pcum[s],
-            "gbuf": self.gbuf[s] if self.gbuf is not None else None,
-        }
+    def gather(self, s: torch.Tensor) -> dict[str, torch.Tensor]:
+        """:meth:`checkpoint` for slots ``s`` (an integer tensor on the pool's device) taken as they are: no range
+        check, so no host synchronisation (the reference backend gathers under CUDA-graph capture)."""
+        names = ("codes", "s_k", "s_v", "u", "q", "kbuf", "ubuf", "w", "pcum")
+        out = {n: getattr(self, n)[s] for n in names}
+        out["gbuf"] = self.gbuf[s] if self.gbuf is not None else None
         return out
 
     def states(self, slots, *, out: torch.Tensor | None = None, backend: str = "auto", check: bool = True,
@@ -223,46 +216,29 @@ class Pool:
         ``[len(slots), HV, V, K]``, or FLA's ``[len(slots), HV, K, V]`` with ``state_v_first=False``; written into
         ``out`` if given (each head dense), else a new tensor. ``backend`` (``"auto"``: Triton on CUDA, else the
         reference) and ``check`` (``False``: metadata only, no host sync) as for :func:`leapquant.flush`."""
-        from . import states as _states
-
-        return _states.states(self, slots, out, backend=backend, check=check, state_v_first=state_v_first)
-
-    def _states_reference(self, s: torch.Tensor) -> torch.Tensor:
-        """The reference path of :meth:`states`, V-first, for validated slots ``s``."""
-        c = self._gather(s)
-        return reference.rebuild(**c, gate=self.gate)
+        s = check_slots(self, slots, check=check)
+        if out is None:
+            out = torch.empty(state_shape(self, s.numel(), state_v_first), dtype=torch.float32, device=self.device)
+        else:
+            check_states_out(self, out, s.numel(), state_v_first)
+        b = resolve(backend, self, "states")
+        if s.numel():
+            launch(self, b.states, s, out, bool(state_v_first))
+        return out
 
     def load_states(self, slots, states: torch.Tensor, *, backend: str = "auto", check: bool = True,
                     state_v_first: bool = True) -> None:
         """Compress fp32 ``states`` (``[len(slots), HV, V, K]``, or FLA's ``[len(slots), HV, K, V]`` with
         ``state_v_first=False``) into those slots' checkpoints (SPEC §3 steps 5-10, §5) and empty their rings
-        (``hcnt = 0``). ``backend`` and ``check`` as for :meth:`states`; ``check=True`` also refuses non-finite states
-        and ``max|S| > 2^64`` (:func:`.checks.check_state_values`)."""
-        from . import states as _states
-        from .checks import check_state_values
-
+        (``hcnt = 0``). ``backend`` and ``check`` as for :meth:`states`; ``check=True`` also refuses a slot named
+        twice, non-finite states and ``max|S| > 2^64`` (:func:`.checks.check_state_values`)."""
         if check:
             check_state_values(states)
-        _states.load_states(self, slots, states, backend=backend, check=check, state_v_first=state_v_first)
-
-    def _load_states_reference(self, s: torch.Tensor, S: torch.Tensor) -> None:
-        """The reference path of :meth:`load_states`, for validated slots ``s`` and fp32 V-first states ``S``."""
-        codes, s_k, s_v, u, q = reference.compress(S, self.q0, iters=self.iters)
-        self.codes[s] = codes
-        self.s_k[s] = s_k
-        self.s_v[s] = s_v
-        self.u[s] = u
-        self.q[s] = q
-        self._reset_rings(s)
-        self.hcnt[s] = 0
-
-    def _reset_rings(self, s: torch.Tensor) -> None:
-        self.w[s] = 0.0
-        if self.gate == "kda":
-            self.pcum[s] = 0.0
-            self.gbuf[s] = 1.0
-        else:
-            self.pcum[s] = 1.0
+        s = check_slots(self, slots, distinct=True, check=check)
+        S = check_state_tensor(self, states, s.numel(), state_v_first, "states", check)
+        b = resolve(backend, self, "states")
+        if s.numel():
+            launch(self, b.load_states, s, S, bool(state_v_first))
 
     def append(self, slots, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
         """One token per slot into the ring (SPEC §6 steps 1-4): the decode step's ring update, in plain torch.
@@ -277,13 +253,11 @@ class Pool:
         not flush, so flush due slots before appending. Raises ValueError for a repeated slot, a fill count outside
         ``[0, L]``, non-finite inputs or a gate whose stored form would overflow (:func:`.checks.check_append`).
         """
-        from .checks import check_append
-
         s, k, v, g, beta = check_append(self, slots, k, v, g, beta)
-        c = self._gather(s)
+        c = self.gather(s)
         c["hcnt"] = self.hcnt[s]
         # the decode step's ring update (its output is not needed here)
-        ring, _ = reference.step_rows(c, k, k, v, g, beta, gate=self.gate, scale=1.0)
+        ring, _ = formulas.step_rows(c, k, k, v, g, beta, gate=self.gate, scale=1.0)
         for name, new in ring.items():
             getattr(self, name)[s] = new
 

@@ -34,16 +34,11 @@ class TileLangBackend(Backend):
         head_dims=((128, 128),),
         rings=(16,),
         ranks=(1, 2, 3, 4),
+        # its slot and head strides are built into its TMA descriptors and staging (docs/DESIGN.md, "Compact layout")
         layouts=("engine",),
         # the seed's domain (SPEC §4): the state is staged fp16 in shared memory, which overflows above it and flushes
         # to zero below it (docs/DESIGN.md, "TileLang: what the port changed")
         magnitude=(2.0**-10, 2.0**14),
-        notes=(
-            "one CTA per SM scans every due flag: the launch is fixed for a pool and N (graph-capturable)",
-            "slots: a CTA's share of all programs must fit its due list (about 8,400 slots of 32 heads on 132 SMs)",
-            "layout: engine only (its slot and head strides are built into its TMA descriptors and staging); the "
-            "compact layout is the Triton backend's (docs/DESIGN.md, \"Compact layout\")",
-        ),
     )
 
     def __init__(self) -> None:

@@ -59,10 +59,6 @@ class TritonBackend(Backend):
         head_dims=tuple((k, v) for k in SUPPORTED_HEAD_DIMS for v in SUPPORTED_HEAD_DIMS),
         rings=SUPPORTED_RINGS,
         ranks=SUPPORTED_RANKS,
-        notes=(
-            "sm_75 is not claimed: no bf16 tensor cores for the ring and column-sum products",
-            "CPU runs only through the Triton interpreter (TRITON_INTERPRET=1): correct, but slow",
-        ),
     )
     max_iters = 2
     not_for_auto = {"cpu": "the interpreter checks the kernel; it is about 15x slower than the reference"}

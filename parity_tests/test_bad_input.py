@@ -533,8 +533,8 @@ def test_run_gives_the_flush():
     args["ubuf"] = torch.randn(2, 2, 8, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
     args["kbuf"] = torch.randn(2, 2, 8, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     codes, s_k, s_v, u, q = leapquant.run(**args, backend="reference")
-    S = leapquant.reference.rebuild(**{k: v for k, v in args.items() if k != "q0"}, gate="kda")
-    want = leapquant.reference.compress(S, args["q0"])
+    S = leapquant.formulas.rebuild(**{k: v for k, v in args.items() if k != "q0"}, gate="kda")
+    want = leapquant.formulas.compress(S, args["q0"])
     assert torch.equal(codes, want[0]) and torch.equal(s_k, want[1]) and torch.equal(u, want[3])
 
 

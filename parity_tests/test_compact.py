@@ -20,7 +20,7 @@ import torch
 
 import leapquant
 from leapquant import parity
-from leapquant import reference as ref
+from leapquant import formulas as ref
 from leapquant.backends import BackendError
 from leapquant.constants import BASE_WORDS
 from leapquant.memory import formats

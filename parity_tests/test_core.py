@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import leapquant
 from leapquant import parity
-from leapquant import reference as ref
+from leapquant import formulas as ref
 from leapquant.constants import BASE_WORDS
 from leapquant.workloads import REGIMES, fill, token_stream
 
@@ -348,8 +348,8 @@ def test_third_party_backend_registers():
 def test_backend_registered_after_a_flush_is_chosen_by_auto(monkeypatch):
     """register() invalidates what "auto" remembered: a better backend registered after the first flush of a pool
     shape is the one the next flush takes."""
-    backends = importlib.import_module("leapquant.backends")  # (leapquant.backends is also a function)
-    monkeypatch.setattr(backends, "_CHOSEN", dict(backends._CHOSEN))  # the process's choices come back afterwards
+    registry = importlib.import_module("leapquant.registry")
+    monkeypatch.setattr(registry, "_CHOSEN", dict(registry._CHOSEN))  # the process's choices come back afterwards
     pool = _pool()
     idx = torch.tensor([1, 2], dtype=torch.int32)
     leapquant.flush(pool, idx)
@@ -364,7 +364,7 @@ def test_backend_registered_after_a_flush_is_chosen_by_auto(monkeypatch):
         def flush(self, pool, idx):
             calls.append(idx.numel())
 
-    monkeypatch.setitem(backends._registry(), "late-test", None)  # removed from the registry afterwards
+    monkeypatch.setitem(registry._registry(), "late-test", None)  # removed from the registry afterwards
     leapquant.register(Late())
     leapquant.flush(pool, idx)
     assert calls == [2]
@@ -429,7 +429,7 @@ def test_flush_interface_under_torch_compile(monkeypatch):
     when it runs: the entry points and device queries are not traced) and flushes as in eager mode."""
     import copy
 
-    backends = importlib.import_module("leapquant.backends")
+    registry = importlib.import_module("leapquant.registry")
 
     pool = leapquant.Pool(4, 2)
     fill(pool, [1, 2, 3], "gaussian", torch.Generator().manual_seed(4))
@@ -438,7 +438,7 @@ def test_flush_interface_under_torch_compile(monkeypatch):
     assert bool(pool.due(idx).any()), "the case must have due programs"
     # no backend chosen yet for this pool (the registry is left warm: a fresh one would make the GPU suite's TileLang
     # tests that follow in this process compile their kernels again)
-    monkeypatch.setattr(backends, "_CHOSEN", {})
+    monkeypatch.setattr(registry, "_CHOSEN", {})
 
     @torch.compile(backend="eager", fullgraph=True)
     def step(idx):

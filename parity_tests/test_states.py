@@ -23,10 +23,9 @@ import torch
 
 import leapquant
 from leapquant import parity
-from leapquant import reference as ref
+from leapquant import formulas as ref
 from leapquant.backends import Backend, BackendError, Requirements
 from leapquant.constants import EPS
-from leapquant.states import select_states
 from leapquant.workloads import fill, target_states
 
 from .conftest import compute_devices
@@ -209,11 +208,11 @@ def test_checks_and_dispatch():
 
     leapquant.register(FlushOnly())
     try:
-        assert select_states(pool).name == ("triton" if DEVICE == "cuda" else "reference")
+        assert leapquant.select(pool, op="states").name == ("triton" if DEVICE == "cuda" else "reference")
         with pytest.raises(BackendError, match="no load_states"):
             pool.states([1], backend="flush-only-states-test")
     finally:
-        from leapquant.backends import _CHOSEN, _registry
+        from leapquant.registry import _CHOSEN, _registry
 
         del _registry()["flush-only-states-test"]
         _CHOSEN.clear()

@@ -7,7 +7,7 @@ import torch
 
 import leapquant
 from leapquant import parity
-from leapquant import reference as ref
+from leapquant import formulas as ref
 from leapquant.checks import token_rows
 from leapquant.workloads import fill
 
