@@ -9,13 +9,14 @@ as the current device (:func:`leapquant.registry.launch`).
 
 from __future__ import annotations
 
+import inspect
 from typing import Literal, Optional
 
 import torch
 
 from .backends import Backend
-from .checks import (check_idx, check_idx_layout, check_pool_values, check_run_inputs, check_step_inputs, gate_form,
-                     token_rows)
+from .checks import (POOL_BASE, check_idx, check_idx_layout, check_pool_values, check_run_inputs, check_step_inputs,
+                     gate_form, token_rows)
 from .pool import Pool
 from .registry import launch, resolve
 
@@ -150,96 +151,53 @@ def op_args(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto") -> tup
             g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters, backend)
 
 
-def _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, idx, num_slots, heads, head_k, head_v, ring, rank, gate,
-             convention, iters, layout, check) -> Pool:
-    """The pool a custom op's arguments describe (the op takes tensors and numbers, not a Pool), its metadata checked
-    (``Pool.from_tensors``), and with ``check`` the values of ``idx`` and ``q0``."""
-    pool = Pool.from_tensors(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, num_slots=num_slots, heads=heads,
-                             head_k=head_k, head_v=head_v, ring=ring, rank=rank, gate=gate, convention=convention,
-                             iters=iters, layout=layout)
-    check_idx_layout(pool, idx)
-    _check_call(pool, idx, check)
-    return pool
+# the custom ops' arguments: the pool's tensors and geometry, as ``op_args`` lists them, then each op's own; the
+# schema (with the mutated tensors marked) is written from this one table
+_POOL_PARAMS = (("raw", "Tensor"), ("kbuf", "Tensor"), ("ubuf", "Tensor"), ("w", "Tensor"), ("pcum", "Tensor"),
+                ("gbuf", "Tensor?"), ("hcnt", "Tensor"), ("q0", "Tensor"), ("idx", "Tensor"), ("num_slots", "SymInt"),
+                ("heads", "SymInt"), ("head_k", "SymInt"), ("head_v", "SymInt"), ("ring", "SymInt"), ("rank", "SymInt"),
+                ("gate", "str"), ("convention", "str"), ("iters", "SymInt"))
+_STEP_PARAMS = (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("g", "Tensor"), ("beta", "Tensor"),
+                ("out", "Tensor"), ("scale", "float"), ("use_qk_l2norm", "bool"))
+# the layout last, with the default it had before there were two: the op's positional form is unchanged
+_TAIL_PARAMS = (("backend", "str"), ("check", "bool", False), ("layout", "str", "engine"))
 
 
-@torch.library.custom_op(
-    "leapquant::flush", mutates_args=("raw", "kbuf", "ubuf", "w", "pcum", "gbuf"), device_types=None
-)
-def _flush_op(
-    raw: torch.Tensor,
-    kbuf: torch.Tensor,
-    ubuf: torch.Tensor,
-    w: torch.Tensor,
-    pcum: torch.Tensor,
-    gbuf: Optional[torch.Tensor],
-    hcnt: torch.Tensor,
-    q0: torch.Tensor,
-    idx: torch.Tensor,
-    num_slots: int,
-    heads: int,
-    head_k: int,
-    head_v: int,
-    ring: int,
-    rank: int,
-    gate: str,
-    convention: str,
-    iters: int,
-    backend: str,
-    check: bool = False,
-    layout: str = "engine",
-) -> None:
-    pool = _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, idx, num_slots, heads, head_k, head_v, ring, rank, gate,
-                    convention, iters, layout, check)
-    launch(pool, resolve(backend, pool, "flush").flush, idx)
+def _custom_op(name: str, params: tuple, mutated: tuple[str, ...], body):
+    """``torch.library`` op ``leapquant::<name>`` over ``params`` (``(name, type[, default])``), declaring
+    ``mutated`` as written, run by ``body(pool, args)`` with ``args`` the bound arguments by name."""
+    fields, sig = [], []
+    for i, (pname, typ, *default) in enumerate(params):
+        if pname in mutated:
+            typ = f"Tensor(a{i}!)" + ("?" if typ.endswith("?") else "")
+        fields.append(f"{typ} {pname}" + (f"={default[0]!r}".replace("'", '"') if default else ""))
+        sig.append(inspect.Parameter(pname, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                     default=default[0] if default else inspect.Parameter.empty))
+    signature = inspect.Signature(sig)
+
+    def run_op(*args, **kwargs) -> None:
+        a = signature.bind(*args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        pool = Pool.from_tensors(*(a[n] for n in POOL_BASE), layout=a["layout"],
+                                 **{n: a[n] for n, _ in _POOL_PARAMS[9:]})
+        check_idx_layout(pool, a["idx"])
+        _check_call(pool, a["idx"], a["check"])
+        body(pool, a)
+
+    op = torch.library.custom_op(f"leapquant::{name}", run_op, mutates_args=mutated, device_types=None,
+                                 schema=f"({', '.join(fields)}) -> ()")
+    op.register_fake(lambda *args, **kwargs: None)
+    return op
 
 
-@_flush_op.register_fake
-def _flush_fake(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, idx, *args) -> None:
-    return None
-
-
-@torch.library.custom_op(
-    "leapquant::step", mutates_args=("raw", "kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt", "out"), device_types=None
-)
-def _step_op(
-    raw: torch.Tensor,
-    kbuf: torch.Tensor,
-    ubuf: torch.Tensor,
-    w: torch.Tensor,
-    pcum: torch.Tensor,
-    gbuf: Optional[torch.Tensor],
-    hcnt: torch.Tensor,
-    q0: torch.Tensor,
-    idx: torch.Tensor,
-    num_slots: int,
-    heads: int,
-    head_k: int,
-    head_v: int,
-    ring: int,
-    rank: int,
-    gate: str,
-    convention: str,
-    iters: int,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    out: torch.Tensor,
-    scale: float,
-    use_qk_l2norm: bool,
-    backend: str,
-    check: bool = False,
-    layout: str = "engine",
-) -> None:
-    pool = _op_pool(raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, idx, num_slots, heads, head_k, head_v, ring, rank, gate,
-                    convention, iters, layout, check)
-    launch(pool, resolve(backend, pool, "step").step, idx, q, k, v, g, beta, scale, use_qk_l2norm, out)
-
-
-@_step_op.register_fake
-def _step_fake(*args) -> None:
-    return None
+_flush_op = _custom_op(
+    "flush", _POOL_PARAMS + _TAIL_PARAMS, ("raw", "kbuf", "ubuf", "w", "pcum", "gbuf"),
+    lambda pool, a: launch(pool, resolve(a["backend"], pool, "flush").flush, a["idx"]))
+_step_op = _custom_op(
+    "step", _POOL_PARAMS + _STEP_PARAMS + _TAIL_PARAMS, ("raw", "kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt", "out"),
+    lambda pool, a: launch(pool, resolve(a["backend"], pool, "step").step,
+                           *(a[n] for n in ("idx", "q", "k", "v", "g", "beta", "scale", "use_qk_l2norm", "out"))))
 
 
 def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0, backend: BackendName = "auto", iters: int = 1):
