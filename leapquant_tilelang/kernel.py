@@ -67,6 +67,7 @@ import tilelang
 import tilelang.language as T
 from tilelang.layout import make_swizzled_layout
 from tvm.ir import PrimExpr
+from tvm.script.ir_builder import IRBuilder
 
 from leapquant.constants import EPS, FLOOR, PNMIN, QMAX, TINY
 
@@ -494,42 +495,32 @@ def flush_kernel(
             T.mbarrier_arrive(sm.loaded[s])
 
     # ---- consumer: set-up and hand-over of a program ----
+    # each Regs array's (length, dtype), in the order they are allocated; KDA and GDN swap the A and B fragments'
+    # lengths (KDA's ring product keeps the keys as B)
+    reg_shapes = dict(row_scale=(4, F32), col_scale=(16, F32), afrag=(16 if KDA else 32, BF16),
+                      bfrag=(32 if KDA else 16, BF16), cfrag=(64, F32), afrag2=(8, F16), afrag3=(8, F16),
+                      bfr=(8, F16), ah=(32, F16), bh2=(8, F16), ao=(16, F16), aone=(8, F16), c32=(16, F32),
+                      mc=(4, F32), mm=(8, F32), colp=(32, F32), esc=(2, F32), lo2=(L if KDA else 1, BF16))
+
     @T.macro
     def consumer_registers(th: Thread, sm: Shared):
         """Allocate the thread's :class:`Regs`, set their constant parts and zero the Q tile's columns R..7."""
         g, t = th.g, th.t
-        row_scale = T.alloc_local((4,), F32)
-        col_scale = T.alloc_local((16,), F32)
-        afrag = T.alloc_local((16 if KDA else 32,), BF16)
-        bfrag = T.alloc_local((32 if KDA else 16,), BF16)
-        cfrag = T.alloc_local((64,), F32)
-        afrag2 = T.alloc_local((8,), F16)
-        afrag3 = T.alloc_local((8,), F16)
-        bfr = T.alloc_local((8,), F16)
-        ah = T.alloc_local((32,), F16)
-        bh2 = T.alloc_local((8,), F16)
-        ao = T.alloc_local((16,), F16)
-        aone = T.alloc_local((8,), F16)
-        c32 = T.alloc_local((16,), F32)
-        mc = T.alloc_local((4,), F32)
-        mm = T.alloc_local((8,), F32)
-        colp = T.alloc_local((32,), F32)
-        esc = T.alloc_local((2,), F32)
-        lo2 = T.alloc_local((L if KDA else 1,), BF16)
+        # named as the fields, as an assignment would name them (the CUDA source keeps readable names)
+        regs = Regs(**{name: IRBuilder.name(name, T.alloc_local((size,), dtype))
+                       for name, (size, dtype) in reg_shapes.items()})
         for i in T.unroll(8):
-            aone[i] = T.cast(1.0, F16)
+            regs.aone[i] = T.cast(1.0, F16)
         for i in T.unroll(2):  # register pairs 1 and 3 of the old-factor fragments (m-rows 8..15) stay zero
-            ao[2 + i] = T.cast(0.0, F16)
-            ao[6 + i] = T.cast(0.0, F16)
-            ao[10 + i] = T.cast(0.0, F16)
-            ao[14 + i] = T.cast(0.0, F16)
+            regs.ao[2 + i] = T.cast(0.0, F16)
+            regs.ao[6 + i] = T.cast(0.0, F16)
+            regs.ao[10 + i] = T.cast(0.0, F16)
+            regs.ao[14 + i] = T.cast(0.0, F16)
         for r in T.unroll(4):  # this thread's row of the fp16 Q tile: columns R..7 stay zero
             sm.state[g, t, K + 4 + r] = T.cast(0.0, F16)
         for r in T.unroll(4 - R):
             sm.state[g, t, K + R + r] = T.cast(0.0, F16)
-        return Regs(row_scale=row_scale, col_scale=col_scale, afrag=afrag, bfrag=bfrag, cfrag=cfrag, afrag2=afrag2,
-                    afrag3=afrag3, bfr=bfr, ah=ah, bh2=bh2, ao=ao, aone=aone, c32=c32, mc=mc, mm=mm, colp=colp,
-                    esc=esc, lo2=lo2)
+        return regs
 
     @T.macro
     def wait_program(th: Thread, sm: Shared, it0):
