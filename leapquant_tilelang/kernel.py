@@ -377,6 +377,14 @@ def flush_kernel(
             hc8[j] = pool.hcnt[T.min(T.max(sl8[j], 0), NS - 1), wlane]
 
     @T.macro
+    def tail_ballot(ck, j, wid, kn: T.Buffer, sl8: T.Buffer, hc8: T.Buffer, tb: T.Buffer):
+        """``tb[0]``: the warp's due flags of its n-step ``KMAX + 8 ck + j``, from what :func:`load_tail` loaded (the
+        counting pass and the ranking pass take the same flags)."""
+        k = KMAX + ck * 8 + j
+        f = due_flag(k, wid + NWARPS * k, sl8[j], hc8[j], kn[0])
+        tb[0] = warp_ballot(f)
+
+    @T.macro
     def compact_due(pool: PoolViews, sm: Shared, bid, tx):
         """Fill ``due_list`` with this CTA's due programs ``q = slot * HV + hv`` and ``due_count``.
 
@@ -411,9 +419,7 @@ def flush_kernel(
         for ck in T.serial(T.ceildiv(kn[0] - KMAX, 8)):
             load_tail(ck, wid, wlane, pool, sm, sl8, hc8)
             for j in T.unroll(8):
-                k = KMAX + ck * 8 + j
-                f = due_flag(k, wid + NWARPS * k, sl8[j], hc8[j], kn[0])
-                tb[0] = warp_ballot(f)
+                tail_ballot(ck, j, wid, kn, sl8, hc8, tb)
                 cnt[0] += popc(tb[0])
         if wlane == 0:
             sm.warp_due[wid] = cnt[0]
@@ -447,9 +453,7 @@ def flush_kernel(
             for ck in T.serial(T.ceildiv(kn[0] - KMAX, 8)):
                 load_tail(ck, wid, wlane, pool, sm, sl8, hc8)
                 for j in T.unroll(8):
-                    k = KMAX + ck * 8 + j
-                    f = due_flag(k, wid + NWARPS * k, sl8[j], hc8[j], kn[0])
-                    tb[0] = warp_ballot(f)
+                    tail_ballot(ck, j, wid, kn, sl8, hc8, tb)
                     if ((tb[0] >> T.cast(wlane, "uint32")) & T.uint32(1)) == T.uint32(1):
                         rank = base[0] + popc(tb[0] & lmask)
                         if (rank % sms == bid) & (rank // sms < MAXIT):
