@@ -45,14 +45,19 @@ def driver() -> str:
 
 # one test's verbose line: ``parity_tests/m.py::test[param] STATUS`` (one process), or
 # ``[gw0] [ 12%] STATUS parity_tests/m.py::test[param]`` (pytest-xdist workers)
-_SERIAL = re.compile(r"^parity_tests/(\w+)\.py::(\w+)(\[.*\])? (PASSED|FAILED|SKIPPED|ERROR)\b")
-_XDIST = re.compile(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|SKIPPED|ERROR) parity_tests/(\w+)\.py::(\w+)(\[.*\])?\s*$")
+_STATUS = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
+_SERIAL = re.compile(rf"^parity_tests/(\w+)\.py::(\w+)(\[.*\])? ({_STATUS})\b")
+_XDIST = re.compile(rf"^\[gw\d+\] \[\s*\d+%\] ({_STATUS}) parity_tests/(\w+)\.py::(\w+)(\[.*\])?\s*$")
+# pytest's verbose status -> the report's column; an unexpected pass of a non-strict xfail is a pass (a strict one
+# is reported FAILED by pytest itself)
+_COLUMN = {"PASSED": "passed", "SKIPPED": "skipped", "XFAIL": "xfailed", "XPASS": "passed"}
+COLUMNS = ("passed", "failed", "skipped", "xfailed")
 
 
 def parse_results(text: str) -> tuple[dict, list[str]]:
     """Counts per property (``module::test backend``) and the failed test ids, from pytest's verbose output in either
     form (:data:`_SERIAL`, :data:`_XDIST`)."""
-    results: dict[str, dict[str, int]] = defaultdict(lambda: {"passed": 0, "failed": 0, "skipped": 0})
+    results: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(COLUMNS, 0))
     failures = []
     for line in text.splitlines():
         m = _SERIAL.match(line)
@@ -64,7 +69,7 @@ def parse_results(text: str) -> tuple[dict, list[str]]:
             continue
         backend = (param or "").strip("[]").split("-")[0]
         key = f"{module}::{test} {backend}".strip()
-        status = {"PASSED": "passed", "SKIPPED": "skipped"}.get(status, "failed")
+        status = _COLUMN.get(status, "failed")
         results[key][status] += 1
         if status == "failed":
             failures.append(f"{module}::{test}{param or ''}")
@@ -174,11 +179,11 @@ def main(argv=None) -> int:
     lines += [f"- {e}" for e in env]
     lines += [f"- backends under test: {only or 'all available'}; pytest -k: {args.keyword or '(none)'}; pytest "
               f"processes: {pytest_processes(args.workers)}"]
-    lines += ["", "## Properties (pytest on the GPU machine)", "", "| property / backend | passed | failed | skipped |",
-              "| --- | ---: | ---: | ---: |"]
+    lines += ["", "## Properties (pytest on the GPU machine)", "", "| property / backend | " + " | ".join(COLUMNS) + " |",
+              "| --- |" + " ---: |" * len(COLUMNS)]
     for k in sorted(props):
-        v = props[k]
-        lines.append(f"| {k} | {v['passed']} | {v['failed']} | {v['skipped']} |")
+        lines.append(f"| {k} | " + " | ".join(str(props[k].get(c, 0)) for c in COLUMNS) + " |")
+    lines.append("| **total** | " + " | ".join(str(sum(v.get(c, 0) for v in props.values())) for c in COLUMNS) + " |")
     if args.skip_pytest:
         lines += ["", "pytest not run (--skip-pytest): this report holds the per-regime table only"]
     else:
