@@ -46,8 +46,9 @@ def driver() -> str:
 # one test's verbose line: ``parity_tests/m.py::test[param] STATUS`` (one process), or
 # ``[gw0] [ 12%] STATUS parity_tests/m.py::test[param]`` (pytest-xdist workers)
 _STATUS = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
-_SERIAL = re.compile(rf"^parity_tests/(\w+)\.py::(\w+)(\[.*\])? ({_STATUS})\b")
-_XDIST = re.compile(rf"^\[gw\d+\] \[\s*\d+%\] ({_STATUS}) parity_tests/(\w+)\.py::(\w+)(\[.*\])?\s*$")
+# (a module skipped as a whole, e.g. one that needs two GPUs, prints its path with no test name)
+_SERIAL = re.compile(rf"^parity_tests/(\w+)\.py(?:::(\w+)(\[.*\])?)? ({_STATUS})\b")
+_XDIST = re.compile(rf"^\[gw\d+\] \[\s*\d+%\] ({_STATUS}) parity_tests/(\w+)\.py(?:::(\w+)(\[.*\])?)?\s*$")
 # pytest's verbose status -> the report's column; an unexpected pass of a non-strict xfail is a pass (a strict one
 # is reported FAILED by pytest itself)
 _COLUMN = {"PASSED": "passed", "SKIPPED": "skipped", "XFAIL": "xfailed", "XPASS": "passed"}
@@ -68,11 +69,11 @@ def parse_results(text: str) -> tuple[dict, list[str]]:
         else:
             continue
         backend = (param or "").strip("[]").split("-")[0]
-        key = f"{module}::{test} {backend}".strip()
+        key = f"{module}::{test} {backend}".strip() if test else module
         status = _COLUMN.get(status, "failed")
         results[key][status] += 1
         if status == "failed":
-            failures.append(f"{module}::{test}{param or ''}")
+            failures.append(f"{module}::{test}{param or ''}" if test else module)
     return dict(results), failures
 
 

@@ -11,7 +11,8 @@ parity_tests/test_parity.py::test_flush_meets_spec[tilelang-cuda] PASSED [ 60%]
 parity_tests/test_parity.py::test_value_domain[tilelang-cuda-2^-40] SKIPPED (out of its domain) [ 70%]
 parity_tests/test_core.py::test_bad_idx[<lambda>-ValueError-idx values1] PASSED [ 80%]
 parity_tests/test_core.py::test_start_matrix ERROR                      [ 90%]
-parity_tests/test_triton_kernel.py::test_rank2_known[triton-cuda] XFAIL (known: fp16 iteration) [100%]
+parity_tests/test_triton_kernel.py::test_rank2_known[triton-cuda] XFAIL (known: fp16 iteration) [ 95%]
+parity_tests/test_multi_gpu.py SKIPPED (needs two GPUs)                 [100%]
 FAILED parity_tests/test_parity.py::test_flush_meets_spec[triton-cuda] - AssertionError
 """
 XDIST = """\
@@ -23,7 +24,8 @@ parity_tests/test_parity.py::test_flush_meets_spec[triton-cuda]
 [gw0] [ 70%] SKIPPED parity_tests/test_parity.py::test_value_domain[tilelang-cuda-2^-40] 
 [gw1] [ 80%] PASSED parity_tests/test_core.py::test_bad_idx[<lambda>-ValueError-idx values1] 
 [gw1] [ 90%] ERROR parity_tests/test_core.py::test_start_matrix 
-[gw0] [100%] XFAIL parity_tests/test_triton_kernel.py::test_rank2_known[triton-cuda] 
+[gw0] [ 95%] XFAIL parity_tests/test_triton_kernel.py::test_rank2_known[triton-cuda] 
+[gw1] [100%] SKIPPED parity_tests/test_multi_gpu.py 
 FAILED parity_tests/test_parity.py::test_flush_meets_spec[triton-cuda] - AssertionError
 """
 EXPECTED = {
@@ -34,6 +36,7 @@ EXPECTED = {
     "test_core::test_bad_idx <lambda>": {"passed": 1, "failed": 0, "skipped": 0, "xfailed": 0},
     "test_core::test_start_matrix": {"passed": 0, "failed": 1, "skipped": 0, "xfailed": 0},
     "test_triton_kernel::test_rank2_known triton": {"passed": 0, "failed": 0, "skipped": 0, "xfailed": 1},
+    "test_multi_gpu": {"passed": 0, "failed": 0, "skipped": 1, "xfailed": 0},
 }
 FAILED = ["test_parity::test_flush_meets_spec[triton-cuda]", "test_core::test_start_matrix"]
 
