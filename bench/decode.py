@@ -79,7 +79,7 @@ def _fills(pool, slots, fill_of_head):
 
 def run(device: torch.device, batch: int, heads: int, key_heads: int, gate: str, backend: str, budget_s: float,
         with_fla: bool) -> dict:
-    from leapquant.workloads import fill
+    from leapquant.tools.workloads import fill
 
     gen = torch.Generator().manual_seed(0)
     B, HV, H = batch, heads, key_heads

@@ -39,7 +39,10 @@ CASES = (
 
 def _case_pool(case: tuple, device: torch.device):
     import leapquant
-    from leapquant.workloads import fill
+    try:
+        from leapquant.tools.workloads import fill
+    except ImportError:  # a --baseline tree from before leapquant.tools
+        from leapquant.workloads import fill
 
     gate, heads, K, V, ring, rank, iters, convention, rows, frac = case
     gen = torch.Generator().manual_seed(1234)

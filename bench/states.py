@@ -78,7 +78,7 @@ def _check(pool, slots, backend: str, gen: torch.Generator) -> dict:
 def run(device: torch.device, batch: int, heads: int, head_k: int, head_v: int, gate: str, backend: str,
         budget_s: float, sweep: bool) -> dict:
     from leapquant.states import select_states
-    from leapquant.workloads import fill
+    from leapquant.tools.workloads import fill
 
     gen = torch.Generator().manual_seed(0)
     B, HV = batch, heads
@@ -151,7 +151,7 @@ def _layouts(pool, slots, backend: str, bps: float, budget_s: float, reps: tuple
     (the due programs' traffic, ``bench.flush.floor_bytes``)."""
     from leapquant import parity
     from leapquant.constants import BASE_WORDS
-    from leapquant.workloads import fill
+    from leapquant.tools.workloads import fill
 
     from .flush import _Rings, floor_bytes, program_bytes
 

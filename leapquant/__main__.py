@@ -131,7 +131,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    from .simulate import main as simulate_main
+    from .tools.simulate import main as simulate_main
 
     return simulate_main(args)
 
@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     d.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if there is a GPU, else cpu)")
     d.add_argument("--seed", type=int, default=0, help="seed of the generated token stream")
     try:
-        from .simulate import add_arguments
+        from .tools.simulate import add_arguments
     except ImportError:
         add_arguments = None
     if add_arguments is not None:

@@ -13,7 +13,7 @@ import leapquant
 from leapquant import parity
 from leapquant import reference as ref
 from leapquant.constants import BASE_WORDS
-from leapquant.workloads import REGIMES, fill, token_stream
+from leapquant.tools.workloads import REGIMES, fill, token_stream
 
 from .strategies import build_case, cases
 
@@ -457,10 +457,10 @@ def test_flush_interface_under_torch_compile(monkeypatch):
 def test_definition_is_current_and_runs(gate):
     import json
 
-    from leapquant import definition
+    from leapquant.tools import definition
 
     committed = json.loads(definition.path(gate).read_text())
-    assert committed == definition.build(gate), "run `python -m leapquant.definition` and commit the result"
+    assert committed == definition.build(gate), "run `python -m leapquant.tools.definition` and commit the result"
     for name, spec in list(committed["inputs"].items()) + list(committed["outputs"].items()):
         for axis in spec["shape"]:
             assert axis in committed["axes"], (name, axis)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import leapquant
-from leapquant.simulate import Method, decode_stream, exact_recurrence, quantise_rows, recurrent_step, simulate
+from leapquant.tools.simulate import Method, decode_stream, exact_recurrence, quantise_rows, recurrent_step, simulate
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # parity_tests/conftest.py

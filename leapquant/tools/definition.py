@@ -2,7 +2,7 @@
 
 ``build(gate)`` generates the definition from :mod:`leapquant.reference`: the ``reference`` field is the source of
 the reference's own functions plus a ``run`` with the op's input order, so it runs standalone with torch alone.
-``python -m leapquant.definition`` rewrites the committed files under ``leapquant/definition/``; a test checks that
+``python -m leapquant.tools.definition`` rewrites the committed files under ``leapquant/tools/definition/``; a test checks that
 they are current and that their ``run`` gives the reference's outputs bit for bit.
 """
 
@@ -13,7 +13,7 @@ import json
 import textwrap
 from pathlib import Path
 
-from . import constants, reference
+from leapquant import constants, reference
 
 DIR = Path(__file__).parent / "definition"
 FUNCTIONS = (reference.dequantise, reference.low_rank, reference.decays, reference.ring_state,

@@ -26,7 +26,7 @@ token; with ``M`` a multiple of ``L`` the ring is then full and the next token's
   ``scale = max_k |S[v, k]| / 127``, ``C = round_half_even(S / scale)``.
 
 Streams (``--streams``): ``synthetic`` (unit random keys and queries, per-channel memory lengths 10..1000 tokens,
-beta in (0, 1); :func:`leapquant.workloads.token_stream`) and ``structured`` (keys and queries near three dominant
+beta in (0, 1); :func:`leapquant.tools.workloads.token_stream`) and ``structured`` (keys and queries near three dominant
 directions, two outlier key channels, four outlier value channels, a quarter of the key channels with memory lengths
 10^3..10^5 tokens, i.e. decays within 1e-3 of 1). Queries are drawn like the keys, from the same seeded generator.
 
@@ -48,10 +48,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from . import ops
-from .backends import BackendError, backends
-from .constants import EPS, QMAX
-from .pool import Pool
+import leapquant
+from leapquant import BackendError, Pool, backends
+from leapquant.constants import EPS, QMAX
+
+from ._core import select_step
 from .workloads import token_stream
 
 STREAMS = ("synthetic", "structured")
@@ -203,7 +204,7 @@ class _PoolState:
 
     def step(self, t: int, q, k, v, g, beta) -> torch.Tensor:
         # check=True on the first token only (it reads idx on the host); after it the engine's hot path
-        ops.step(self.pool, self.idx, q, k, v, g, beta, out=self.out, backend=self.backend, check=t == 0)
+        leapquant.step(self.pool, self.idx, q, k, v, g, beta, out=self.out, backend=self.backend, check=t == 0)
         if self.rank0 and t > 0 and t % self.pool.ring == 0 and bool(self.pool.uq.any()):
             # every ring was full before this token, so the step flushed all of them
             raise RuntimeError(f"backend {self.backend!r} wrote a compensator from a zero start matrix")
@@ -296,7 +297,7 @@ def available_backends(gate: str, heads: int, K: int, V: int, L: int, device="cp
             skipped.append(f"{info.name}: {info.reason}")
             continue
         try:
-            ops.select_step(probe, info.name)
+            select_step(probe, info.name)
             ok.append(info.name)
         except BackendError as e:
             skipped.append(f"{info.name}: {e}")
@@ -353,7 +354,7 @@ def simulate(
     device = torch.device(device)
     n, K, V, L = seqs * len(streams), head_k, head_v, ring
     probe = Pool(2, heads, K, V, L, 4, gate=gate, device=device)
-    chosen = {m.name: ops.select_step(probe, m.backend or backend).name for m in parsed if m.kind == "leapquant"}
+    chosen = {m.name: select_step(probe, m.backend or backend).name for m in parsed if m.kind == "leapquant"}
     pooled = [m.name for m in parsed if m.kind == "leapquant"]
     jobs = max(1, min(jobs, len(pooled))) if device.type == "cpu" else 1
     if jobs > 1:
@@ -668,7 +669,7 @@ def _versions(device: torch.device) -> str:
     from importlib.metadata import PackageNotFoundError, version
     import platform
 
-    from . import __version__
+    from leapquant import __version__
 
     def v(dist):
         try:
@@ -686,7 +687,7 @@ def main(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     methods = [m for m in args.methods.split(",") if m]
     here, skipped = available_backends(args.gate, args.heads, 128, 128, 16, device)
-    main_backend = ops.select_step(Pool(2, args.heads, gate=args.gate, device=device), args.backend).name
+    main_backend = select_step(Pool(2, args.heads, gate=args.gate, device=device), args.backend).name
     if args.backends == "all":
         extra = [b for b in here if b != main_backend]
     else:
@@ -739,6 +740,6 @@ def main(args) -> int:
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(prog="python -m leapquant.simulate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m leapquant.tools.simulate", description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     sys.exit(main(ap.parse_args()))

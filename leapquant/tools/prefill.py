@@ -1,8 +1,8 @@
 """Prefill in and out, end to end (SPEC §5): FLA's chunked prefill -> ``Pool.load_states`` -> decode with
 ``leapquant.step`` -> a prefix continued from ``Pool.states``, each against FLA continuing from the exact state.
 
-    python -m leapquant.prefill                       # on the GPU if there is one (FLA's chunk_kda), else the CPU
-    python -m leapquant.prefill --gate gdn --prompt 2048 --decode 64
+    python -m leapquant.tools.prefill                       # on the GPU if there is one (FLA's chunk_kda), else the CPU
+    python -m leapquant.tools.prefill --gate gdn --prompt 2048 --decode 64
 
 What :func:`round_trip` does, for ``seqs`` sequences of ``heads`` heads:
 
@@ -68,7 +68,7 @@ def fla_functions(device: torch.device, gate: str) -> dict:
 def token_inputs(seqs: int, heads: int, head_k: int, head_v: int, tokens: int, gate: str, stream: str,
                  gen: torch.Generator) -> dict:
     """``q, k, v, g, beta``, each ``[seqs, tokens, heads, ...]`` fp32 on the CPU (FLA's ``[B, T, H, ...]``): the
-    decode simulation's token streams (:func:`leapquant.simulate.decode_stream`), whose errors the bound quotes."""
+    decode simulation's token streams (:func:`leapquant.tools.simulate.decode_stream`), whose errors the bound quotes."""
     from .simulate import decode_stream
 
     x = decode_stream(stream, seqs, heads, head_k, head_v, tokens, gate, gen)
@@ -114,8 +114,8 @@ def round_trip(device: str | torch.device = "cpu", *, gate: str = "kda", seqs: i
     recurrence alike; states are fp32 throughout.
     """
     import leapquant
-    from .ops import select_step
-    from .states import select_states
+
+    from ._core import select_states, select_step
 
     device = torch.device(device)
     gen = torch.Generator().manual_seed(seed)
@@ -169,7 +169,7 @@ def round_trip(device: str | torch.device = "cpu", *, gate: str = "kda", seqs: i
 
     per_token = _rel(o_lq, o_fla, (-1,))  # [B, T, HV]
     return {
-        "what": "prefill round trip (leapquant/prefill.py)",
+        "what": "prefill round trip (leapquant/tools/prefill.py)",
         "config": dict(device=str(device), gate=gate, seqs=B, heads=HV, head_k=K, head_v=V, prompt=prompt,
                        decode=decode, resume=resume, stream=stream, seed=seed, dtype=str(dtype).split(".")[-1],
                        backend=select_states(pool, backend).name, step_backend=select_step(pool, backend).name, fla=list(fla["names"])),
@@ -224,7 +224,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m leapquant.prefill", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m leapquant.tools.prefill", description=__doc__.splitlines()[0])
     ap.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if there is a GPU, else cpu)")
     ap.add_argument("--gate", choices=["kda", "gdn"], default="kda", help="kda (chunk_kda) or gdn")
     ap.add_argument("--seqs", type=int, default=None, help="sequences (default 2 on a CPU, 8 on a GPU)")

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from .pool import Pool
+from leapquant import Pool
 
 REGIMES = ("gaussian", "lowrank", "large_columns", "realistic", "zero", "tiny", "huge", "decayed")
 """Value regimes of the rebuilt state: Gaussian; low rank plus noise; a few large columns; states produced by
@@ -133,7 +133,7 @@ def token_stream(n: int, heads: int, K: int, V: int, T: int, gate: str, gen: tor
 def _fill_by_stream(pool: Pool, slots: torch.Tensor, gen: torch.Generator, fills: int = 3) -> None:
     """States as an engine makes them: tokens appended and rings flushed (by the reference) ``fills`` times over,
     leaving a full ring."""
-    from .reference import ReferenceBackend
+    from leapquant.reference import ReferenceBackend
 
     n, dev = slots.numel(), pool.device
     pool.load_states(slots, torch.zeros(n, pool.heads, pool.head_v, pool.head_k, device=dev), backend="reference")
