@@ -29,6 +29,9 @@ import time
 
 import torch
 
+from .exact import exact_recurrence, relative_error
+from .streams import decode_stream
+
 # The decode simulation's LeapQuant output error, per token (KDA, rank 4, ring 16, 2,048 tokens: the worst of any head
 # at every 16th token, as bench/results/simulate/simulate.md reported it before its output column became means over
 # each window of 16): the bound a round trip's decode outputs, also per token, are held to
@@ -68,9 +71,7 @@ def fla_functions(device: torch.device, gate: str) -> dict:
 def token_inputs(seqs: int, heads: int, head_k: int, head_v: int, tokens: int, gate: str, stream: str,
                  gen: torch.Generator) -> dict:
     """``q, k, v, g, beta``, each ``[seqs, tokens, heads, ...]`` fp32 on the CPU (FLA's ``[B, T, H, ...]``): the
-    decode simulation's token streams (:func:`leapquant.tools.simulate.decode_stream`), whose errors the bound quotes."""
-    from .simulate import decode_stream
-
+    decode simulation's token streams (:func:`leapquant.tools.streams.decode_stream`)."""
     x = decode_stream(stream, seqs, heads, head_k, head_v, tokens, gate, gen)
     return {n: x[n].transpose(0, 1).contiguous() for n in ("q", "k", "v", "g", "beta")}
 
@@ -80,22 +81,10 @@ def _span(x: dict, a: int, b: int) -> dict:
 
 
 def _exact(S0: torch.Tensor, x: dict, gate: str, scale: float) -> torch.Tensor:
-    """Outputs ``[B, T, HV, V]`` of the gated delta rule from ``S0 [B, HV, K, V]`` in float64."""
-    S = S0.double().transpose(-1, -2).clone()  # V-first
-    q, k, v, g, beta = (x[n].double() for n in ("q", "k", "v", "g", "beta"))
-    out = []
-    for t in range(q.shape[1]):
-        S = S * (torch.exp(g[:, t])[..., None, :] if gate == "kda" else torch.exp(g[:, t])[..., None, None])
-        err = v[:, t] - torch.einsum("bhvk,bhk->bhv", S, k[:, t])
-        S = S + (beta[:, t, :, None] * err)[..., None] * k[:, t, :, None, :]
-        out.append(scale * torch.einsum("bhvk,bhk->bhv", S, q[:, t]))
-    return torch.stack(out, dim=1)
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
-    a, b = a.double(), b.double()
-    den = torch.linalg.vector_norm(b, dim=dims)
-    return torch.linalg.vector_norm(a - b, dim=dims) / torch.where(den > 0, den, torch.ones_like(den))
+    """Outputs ``[B, T, HV, V]`` of the gated delta rule from ``S0 [B, HV, K, V]`` (FLA's layout) in float64."""
+    tokens_first = {n: x[n].transpose(0, 1) for n in ("q", "k", "v", "g", "beta")}
+    o, _ = exact_recurrence(**tokens_first, gate=gate, state=S0.transpose(-1, -2), scale=scale)
+    return o.transpose(0, 1)
 
 
 def _stats(e: torch.Tensor) -> dict:
@@ -167,20 +156,20 @@ def round_trip(device: str | torch.device = "cpu", *, gate: str = "kda", seqs: i
     o_res_lq, _ = run(fla["chunk"], res, S_lq.clone())
     o_res_fla, _ = run(fla["chunk"], res, S1.float().contiguous())
 
-    per_token = _rel(o_lq, o_fla, (-1,))  # [B, T, HV]
+    per_token = relative_error(o_lq, o_fla, (-1,))  # [B, T, HV]
     return {
         "what": "prefill round trip (leapquant/tools/prefill.py)",
         "config": dict(device=str(device), gate=gate, seqs=B, heads=HV, head_k=K, head_v=V, prompt=prompt,
                        decode=decode, resume=resume, stream=stream, seed=seed, dtype=str(dtype).split(".")[-1],
                        backend=select_states(pool, backend).name, step_backend=select_step(pool, backend).name, fla=list(fla["names"])),
-        "load_state_error": _stats(_rel(loaded, S0, (-2, -1))),
+        "load_state_error": _stats(relative_error(loaded, S0, (-2, -1))),
         "decode_output_error": _stats(per_token),
         "decode_output_error_last": _stats(per_token[:, -1]),
         "decode_output_error_first": _stats(per_token[:, 0]),
-        "fla_vs_float64_output_error": _stats(_rel(o_fla, o_64, (-1,))),
-        "leapquant_vs_float64_output_error": _stats(_rel(o_lq, o_64, (-1,))),
-        "state_error_after_decode": _stats(_rel(S_lq, S1, (-2, -1))),
-        "resume_output_error": _stats(_rel(o_res_lq, o_res_fla, (-1,))),
+        "fla_vs_float64_output_error": _stats(relative_error(o_fla, o_64, (-1,))),
+        "leapquant_vs_float64_output_error": _stats(relative_error(o_lq, o_64, (-1,))),
+        "state_error_after_decode": _stats(relative_error(S_lq, S1, (-2, -1))),
+        "resume_output_error": _stats(relative_error(o_res_lq, o_res_fla, (-1,))),
         "finite": bool(torch.isfinite(o_lq).all() and torch.isfinite(S_lq).all() and torch.isfinite(o_res_lq).all()),
         "seconds": times,
     }
