@@ -27,7 +27,7 @@ from math import nan
 
 import leapquant
 from leapquant import parity
-from leapquant.__main__ import device_lines
+from leapquant.tools.machine import device_lines
 from leapquant.tools.workloads import REGIMES, regimes_within
 
 from .conftest import backends_here
