@@ -8,6 +8,7 @@ checked against the exact float64 recurrence of the same token stream, with the 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
@@ -34,6 +35,14 @@ def add_arguments(d: argparse.ArgumentParser) -> None:
                         "CPU, triton needs TRITON_INTERPRET=1 in the environment")
     d.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if there is a GPU, else cpu)")
     d.add_argument("--seed", type=int, default=0, help="seed of the generated token stream")
+
+
+def rate_text(rate: float) -> str:
+    """Tokens per second for the summary: whole numbers from 100 on, else three significant figures, so that a slow
+    backend (the Triton interpreter, a busy CPU) shows its rate rather than 0."""
+    if not math.isfinite(rate):
+        return "n/a"
+    return f"{rate:,.0f}" if rate >= 100 else f"{rate:.3g}"
 
 
 def _bar(done: int, total: int, width: int = 30) -> str:
@@ -81,7 +90,7 @@ def run(args) -> int:
     rate = B * (args.tokens - 1) / seconds if seconds > 0 else float("nan")
     state_err = float(relative_error(pool.states(idx.long()).cpu(), S, None))
     flushes = args.tokens // L
-    print(f"\n{rate:,.0f} tokens/s ({B} sequences; {1e3 * seconds / max(args.tokens - 1, 1):.2f} ms a step, "
+    print(f"\n{rate_text(rate)} tokens/s ({B} sequences; {1e3 * seconds / max(args.tokens - 1, 1):.2f} ms a step, "
           f"{flushes} flush{'es' if flushes != 1 else ''} inside)")
     print(f"output error against the exact recurrence: mean {sum(errs) / len(errs):.2e}, last {errs[-1]:.2e}, "
           f"worst {max(errs):.2e}; state error at the end {state_err:.2e}")
