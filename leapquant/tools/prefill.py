@@ -1,7 +1,7 @@
 """Prefill in and out, end to end (SPEC §5): FLA's chunked prefill -> ``Pool.load_states`` -> decode with
 ``leapquant.step`` -> a prefix continued from ``Pool.states``, each against FLA continuing from the exact state.
 
-    python -m leapquant.tools.prefill                       # on the GPU if there is one (FLA's chunk_kda), else the CPU
+    python -m leapquant.tools.prefill                     # on the GPU if there is one (FLA's chunk_kda), else the CPU
     python -m leapquant.tools.prefill --gate gdn --prompt 2048 --decode 64
 
 What :func:`round_trip` does, for ``seqs`` sequences of ``heads`` heads:
@@ -17,7 +17,8 @@ What :func:`round_trip` does, for ``seqs`` sequences of ``heads`` heads:
 
 Errors are relative, per (sequence, head), as the decode simulation records them (bench/results/simulate): output
 ``||o - o_exact|| / ||o_exact||`` per token, state ``||S - S_exact||_F / ||S_exact||_F``; each is reported as the mean
-and the worst over heads (and tokens). :func:`failures` judges a result against the simulation's LeapQuant figures.
+and the worst over heads (and tokens). :func:`failures` judges a result against a fixed per-token bound
+(:data:`SIMULATION_OUTPUT_WORST`).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ import time
 import torch
 
 from .exact import exact_recurrence, relative_error
-from .streams import decode_stream
+from .streams import STREAMS, decode_stream
 
-# The decode simulation's LeapQuant output error, per token (KDA, rank 4, ring 16, 2,048 tokens: the worst of any head
-# at every 16th token, as bench/results/simulate/simulate.md reported it before its output column became means over
-# each window of 16): the bound a round trip's decode outputs, also per token, are held to
+# The bound a round trip's decode and resumed outputs are held to, per token and (sequence, head), per stream. It was
+# set from the decode simulation's per-token worst output error (KDA, rank 4, ring 16, 2,048 tokens, any head at every
+# 16th token) and stays a fixed acceptance bound: it is no current figure of the simulation, whose results
+# (bench/results/simulate/simulate.md) are means over windows of 16 tokens, a smaller statistic, and are not quoted
+# here so that they cannot go stale
 SIMULATION_OUTPUT_WORST = {"synthetic": 1.87e-2, "structured": 7.84e-3}
 
 
@@ -177,7 +180,7 @@ def round_trip(device: str | torch.device = "cpu", *, gate: str = "kda", seqs: i
 
 def failures(result: dict) -> list[str]:
     """What a :func:`round_trip` result gets wrong: non-finite values, or decode or resume outputs further from FLA's
-    exact continuation than the decode simulation's worst LeapQuant output error for that stream."""
+    exact continuation than the per-token bound for that stream (:data:`SIMULATION_OUTPUT_WORST`)."""
     bound = SIMULATION_OUTPUT_WORST[result["config"]["stream"]]
     out = []
     if not result["finite"]:
@@ -185,7 +188,7 @@ def failures(result: dict) -> list[str]:
     for key in ("decode_output_error", "resume_output_error"):
         worst = result[key]["worst"]
         if not worst <= bound:  # NaN fails too
-            out.append(f"{key} worst {worst:.3e} > {bound:.3e} (the simulation's worst LeapQuant output error)")
+            out.append(f"{key} worst {worst:.3e} > {bound:.3e} (the per-token bound)")
     return out
 
 
@@ -207,13 +210,14 @@ def table(result: dict) -> str:
         lines.append(f"{label:<52} {result[key]['mean']:10.3e} {result[key]['worst']:10.3e}")
     bound = SIMULATION_OUTPUT_WORST[c["stream"]]
     bad = failures(result)
-    lines += ["", f"bound (the simulation's worst LeapQuant output error, {c['stream']}): {bound:.2e}: "
+    lines += ["", f"bound per token ({c['stream']} stream, SIMULATION_OUTPUT_WORST): {bound:.2e}: "
               + ("PASS" if not bad else "FAIL: " + "; ".join(bad))]
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m leapquant.tools.prefill", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m leapquant.tools.prefill", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if there is a GPU, else cpu)")
     ap.add_argument("--gate", choices=["kda", "gdn"], default="kda", help="kda (chunk_kda) or gdn")
     ap.add_argument("--seqs", type=int, default=None, help="sequences (default 2 on a CPU, 8 on a GPU)")
@@ -221,7 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 256 on a CPU, 4096 on a GPU)")
     ap.add_argument("--decode", type=int, default=32, help="decoded tokens (default 32: two flushes)")
     ap.add_argument("--resume", type=int, default=64, help="tokens of the resumed prefill (default 64)")
-    ap.add_argument("--stream", choices=sorted(SIMULATION_OUTPUT_WORST), default="synthetic",
+    ap.add_argument("--stream", choices=STREAMS, default="synthetic",
                     help="token stream of the decode simulation (default synthetic)")
     ap.add_argument("--backend", default="auto", help="backend of load_states, states and step (default auto)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the token stream")
