@@ -451,7 +451,8 @@ def test_definition_is_current_and_runs(gate):
     from leapquant.tools import definition
 
     committed = json.loads(definition.path(gate).read_text())
-    assert committed == definition.build(gate), "run `python -m leapquant.tools.definition` and commit the result"
+    assert committed == definition.build(gate), ("run `python -m leapquant.tools.definition --write` and commit the "
+                                                 "result")
     for name, spec in list(committed["inputs"].items()) + list(committed["outputs"].items()):
         for axis in spec["shape"]:
             assert axis in committed["axes"], (name, axis)
