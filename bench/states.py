@@ -236,7 +236,8 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.states", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.states", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU with the reference backend")
     ap.add_argument("--batch", type=int, default=None, help="sequences (default 256; --cpu-smoke 3)")
     ap.add_argument("--heads", type=int, default=None, help="heads (default 32; --cpu-smoke 2)")

@@ -428,8 +428,17 @@ def main(args) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def command_line(argv=None) -> int:
+    """``python -m leapquant.tools.simulate``: the same as ``python -m leapquant simulate``."""
     ap = argparse.ArgumentParser(prog="python -m leapquant.tools.simulate", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap)
-    sys.exit(main(ap.parse_args()))
+    try:
+        return main(ap.parse_args(argv))
+    except BackendError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(command_line())
