@@ -11,7 +11,6 @@ gives the reference's outputs bit for bit.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import sys
@@ -19,6 +18,8 @@ import textwrap
 from pathlib import Path
 
 from leapquant import constants, reference
+
+from .cli import parser
 
 DIR = Path(__file__).parent / "definition"
 FUNCTIONS = (reference.dequantise, reference.low_rank, reference.decays, reference.ring_state,
@@ -118,8 +119,7 @@ def stale() -> list[Path]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m leapquant.tools.definition", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("python -m leapquant.tools.definition", __doc__)
     what = ap.add_mutually_exclusive_group(required=True)
     what.add_argument("--write", action="store_true", help="rewrite the committed definition files")
     what.add_argument("--check", action="store_true", help="list the files that are not current; exit 1 if any")

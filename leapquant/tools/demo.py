@@ -17,6 +17,7 @@ import torch
 import leapquant
 
 from ._core import select_step
+from .cli import command_line
 from .exact import output, recurrent_step, relative_error
 from .machine import device_lines
 from .streams import decode_stream
@@ -102,14 +103,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m leapquant.tools.demo", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(ap)
-    try:
-        return run(ap.parse_args(argv))
-    except leapquant.BackendError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return command_line("python -m leapquant.tools.demo", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

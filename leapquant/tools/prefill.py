@@ -23,13 +23,13 @@ and the worst over heads (and tokens). :func:`failures` judges a result against 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
 import torch
 
+from .cli import parser
 from .exact import exact_recurrence, relative_error
 from .streams import STREAMS, decode_stream
 
@@ -216,8 +216,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m leapquant.tools.prefill", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser("python -m leapquant.tools.prefill", __doc__)
     ap.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if there is a GPU, else cpu)")
     ap.add_argument("--gate", choices=["kda", "gdn"], default="kda", help="kda (chunk_kda) or gdn")
     ap.add_argument("--seqs", type=int, default=None, help="sequences (default 2 on a CPU, 8 on a GPU)")

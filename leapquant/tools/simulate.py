@@ -44,7 +44,7 @@ import leapquant
 from leapquant import BackendError, Pool, backends
 from leapquant.constants import EPS, QMAX
 
-from . import report
+from . import cli, report
 from ._core import select_step
 from .exact import output, recurrent_step, relative_error
 from .machine import versions
@@ -430,14 +430,7 @@ def main(args) -> int:
 
 def command_line(argv=None) -> int:
     """``python -m leapquant.tools.simulate``: the same as ``python -m leapquant simulate``."""
-    ap = argparse.ArgumentParser(prog="python -m leapquant.tools.simulate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(ap)
-    try:
-        return main(ap.parse_args(argv))
-    except BackendError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.command_line("python -m leapquant.tools.simulate", __doc__, add_arguments, main, argv)
 
 
 if __name__ == "__main__":
