@@ -3,9 +3,9 @@
 A case is (heads per GPU, batch rows N, due fraction f). Its batch is a random permutation of N distinct slots of a
 pool filled by ``leapquant.tools.workloads.fill(..., "gaussian")``; exactly ``max(1, round(f * N * HV))`` of its
 (row, head) programs are due, chosen at random, the others hold a count below L. ``leapquant.flush(pool, idx,
-backend=B, check=False)`` is captured in a CUDA graph and replayed; before each replay the rings a flush resets (``w``, ``pcum``, ``gbuf``) are
-copied back from saved copies, so every replay flushes full rings (the checkpoints evolve from replay to replay: each
-replay compresses the state the previous one stored, still real data).
+backend=B, check=False)`` is captured in a CUDA graph and replayed; before each replay the rings a flush resets
+(``w``, ``pcum``, ``gbuf``) are copied back from saved copies, so every replay flushes full rings (the checkpoints
+evolve from replay to replay: each replay compresses the state the previous one stored, still real data).
 
 Floor: what the due programs must move through DRAM (read checkpoint + ring, write checkpoint + ring resets), plus
 what every program must read to know whether it is due (``hcnt`` per (row, head), ``idx`` per row), each counted from

@@ -58,7 +58,8 @@ def _poisoned(num_slots=5, heads=2, head_k=64, head_v=64, ring=8, rank=2, gate="
 
 
 def _states(pool, n: int, regime: str, g: torch.Generator, scale: float | None = None) -> torch.Tensor:
-    """fp32 V-first states ``[n, HV, V, K]`` of a regime of :mod:`leapquant.tools.workloads` (max|S| rescaled to ``scale``)."""
+    """fp32 V-first states ``[n, HV, V, K]`` of a regime of :mod:`leapquant.tools.workloads` (max|S| rescaled to
+    ``scale``)."""
     S = target_states(regime, n, pool.heads, pool.head_v, pool.head_k, g)
     if scale is not None:
         S = S * (scale / S.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(1e-30))
