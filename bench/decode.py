@@ -79,7 +79,7 @@ def _fills(pool, slots, fill_of_head):
 
 def run(device: torch.device, batch: int, heads: int, key_heads: int, gate: str, backend: str, budget_s: float,
         with_fla: bool) -> dict:
-    from leapquant.workloads import fill
+    from leapquant.tools.workloads import fill
 
     gen = torch.Generator().manual_seed(0)
     B, HV, H = batch, heads, key_heads
@@ -129,7 +129,7 @@ def run(device: torch.device, batch: int, heads: int, key_heads: int, gate: str,
     nbytes = int(sum(step_bytes(pool, int(f) % L, H, 2, 2) for f in fills.flatten()))
     nbytes += due * program_bytes(pool)["total"]  # the flushes inside
     timed("decode layer", step, restorer(fills), nbytes, due=due)
-    if device.type == "cuda" and leapquant.ops.select_step(pool, backend).name == "triton":
+    if device.type == "cuda" and leapquant.select(pool, backend, op="step").name == "triton":
         import leapquant_triton.step as tstep
 
         def two_streams(streams=2):
@@ -159,7 +159,7 @@ def run(device: torch.device, batch: int, heads: int, key_heads: int, gate: str,
     return {
         "what": "decode step timings beside their floors (bench/decode.py)",
         "case": {"batch": B, "heads": HV, "key_heads": H, "head_k": K, "head_v": V, "ring": L, "gate": gate,
-                 "backend": leapquant.ops.select_step(pool, backend).name},
+                 "backend": leapquant.select(pool, backend, op="step").name},
         "device": device_info(device), "driver": smi.get("driver"), "cpu": platform.processor(),
         "versions": {m: module_version(m) for m in ("leapquant", "torch", "triton", "fla")},
         "bandwidth": bw, "cases": cases,
@@ -191,7 +191,8 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU with the reference, no FLA")
     ap.add_argument("--batch", type=int, default=None, help="sequences (default 256; --cpu-smoke 3)")
     ap.add_argument("--heads", type=int, default=None, help="value heads (default 32; --cpu-smoke 2)")

@@ -9,7 +9,8 @@ with ``check=False``. ``--baseline DIR`` takes another version's ``leapquant``, 
 ``leapquant_tilelang`` packages, as ``python -m bench --baseline`` does, runs the same cases under them in a
 subprocess, and exits 1 if any case's bytes differ: a refactoring that claims "behaviour unchanged" shows it here.
 ``--backends triton`` (or ``tilelang``) digests one backend only: after a change to one kernel, the other's compiles
-are skipped in both trees; ``--backends reference`` runs on a CPU too.
+are skipped in both trees; ``--backends reference`` runs on a CPU too. When no backend asked for can flush the pools
+here (the default GPU backends on a CPU) it digests nothing, says so and exits 2.
 """
 
 from __future__ import annotations
@@ -39,7 +40,10 @@ CASES = (
 
 def _case_pool(case: tuple, device: torch.device):
     import leapquant
-    from leapquant.workloads import fill
+    try:
+        from leapquant.tools.workloads import fill
+    except ImportError:  # a --baseline tree from before leapquant.tools
+        from leapquant.workloads import fill
 
     gate, heads, K, V, ring, rank, iters, convention, rows, frac = case
     gen = torch.Generator().manual_seed(1234)
@@ -83,7 +87,8 @@ def digests(device: torch.device, backends: tuple = GPU_BACKENDS) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.digest", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.digest", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="where the pools live (default: cuda if there is a GPU)")
     ap.add_argument("--baseline", default=None, metavar="DIR",
@@ -103,6 +108,12 @@ def main(argv=None) -> int:
         for r in mine:
             print(json.dumps(r))
         return 0
+    if not any("sha256" in r for r in mine):
+        # every case skipped: nothing was digested, so nothing could differ; saying "same" would pass a change unseen
+        why = sorted({f"{r['backend']}: {r['skipped']}" for r in mine})
+        print(f"bench.digest digested nothing on {args.device}: it needs a GPU backend ({', '.join(backends)} cannot "
+              f"flush its pools here; `--backends reference` runs on a CPU).\n  " + "\n  ".join(why), file=sys.stderr)
+        return 2
     print(f"leapquant from {Path(leapquant.__file__).resolve().parent}")
     if not args.baseline:
         for r in mine:
@@ -130,6 +141,9 @@ def main(argv=None) -> int:
         same, differ = same + eq, differ + (not eq)
         print(f"{r['backend']:<9} {r['case']}  {'same bytes' if eq else 'DIFFERENT BYTES'}")
     print(f"{same} cases with the same bytes, {differ} different (baseline: {cwd})")
+    if not same and not differ:
+        print("nothing compared: no case ran under both trees", file=sys.stderr)
+        return 2
     return 1 if differ else 0
 
 

@@ -1,11 +1,11 @@
 """Flush benchmark: the cases, the bytes a flush must move (its floor), and the per-backend worker.
 
 A case is (heads per GPU, batch rows N, due fraction f). Its batch is a random permutation of N distinct slots of a
-pool filled by ``workloads.fill(..., "gaussian")``; exactly ``max(1, round(f * N * HV))`` of its (row, head) programs
-are due, chosen at random, the others hold a count below L. ``leapquant.flush(pool, idx, backend=B, check=False)`` is
-captured in a CUDA graph and replayed; before each replay the rings a flush resets (``w``, ``pcum``, ``gbuf``) are
-copied back from saved copies, so every replay flushes full rings (the checkpoints evolve from replay to replay: each
-replay compresses the state the previous one stored, still real data).
+pool filled by ``leapquant.tools.workloads.fill(..., "gaussian")``; exactly ``max(1, round(f * N * HV))`` of its
+(row, head) programs are due, chosen at random, the others hold a count below L. ``leapquant.flush(pool, idx,
+backend=B, check=False)`` is captured in a CUDA graph and replayed; before each replay the rings a flush resets
+(``w``, ``pcum``, ``gbuf``) are copied back from saved copies, so every replay flushes full rings (the checkpoints
+evolve from replay to replay: each replay compresses the state the previous one stored, still real data).
 
 Floor: what the due programs must move through DRAM (read checkpoint + ring, write checkpoint + ring resets), plus
 what every program must read to know whether it is due (``hcnt`` per (row, head), ``idx`` per row), each counted from
@@ -110,7 +110,10 @@ def floor_bytes(pb: dict, due: int, batch: int) -> int:
 
 def _build_pool(plan_: Plan, heads: int, device: torch.device):
     import leapquant
-    from leapquant.workloads import fill
+    try:
+        from leapquant.tools.workloads import fill
+    except ImportError:  # a --baseline tree from before leapquant.tools
+        from leapquant.workloads import fill
 
     ns = plan_.slots_for(heads)
     pool = leapquant.Pool(ns, heads, plan_.head_k, plan_.head_v, plan_.ring, plan_.rank, gate=plan_.gate,

@@ -161,7 +161,8 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.host_overhead", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                     help="where the pool lives (default: cuda if there is a GPU)")
     ap.add_argument("--backends", default=None, help="comma-separated; default: every backend available here")

@@ -77,7 +77,7 @@ def _check(pool, slots, backend: str, gen: torch.Generator) -> dict:
 
 def run(device: torch.device, batch: int, heads: int, head_k: int, head_v: int, gate: str, backend: str,
         budget_s: float, sweep: bool) -> dict:
-    from leapquant.workloads import fill
+    from leapquant.tools.workloads import fill
 
     gen = torch.Generator().manual_seed(0)
     B, HV = batch, heads
@@ -150,7 +150,7 @@ def _layouts(pool, slots, backend: str, bps: float, budget_s: float, reps: tuple
     (the due programs' traffic, ``bench.flush.floor_bytes``)."""
     from leapquant import parity
     from leapquant.constants import BASE_WORDS
-    from leapquant.workloads import fill
+    from leapquant.tools.workloads import fill
 
     from .flush import _Rings, floor_bytes, program_bytes
 
@@ -235,7 +235,8 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.states", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.states", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on the CPU with the reference backend")
     ap.add_argument("--batch", type=int, default=None, help="sequences (default 256; --cpu-smoke 3)")
     ap.add_argument("--heads", type=int, default=None, help="heads (default 32; --cpu-smoke 2)")

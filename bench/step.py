@@ -18,6 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from leapquant.tools.exact import output, recurrent_step, relative_error
+from leapquant.tools.streams import decode_stream
+
 
 @triton.jit
 def kda_step_kernel(state, idx, q, k, v, g, beta, o, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -87,25 +90,18 @@ def kda_step(state: torch.Tensor, idx: torch.Tensor, q: torch.Tensor, k: torch.T
 
 
 def kda_step_reference(state, idx, q, k, v, g, beta):
-    """The step in float64 for the rows of ``idx`` (all real): ``(new states [N, HV, V, K], o [N, HV, V])``."""
-    S = state[idx.long()].to(torch.float64)
-    q, k, v, g, beta = (t.to(torch.float64) for t in (q, k, v, g, beta))
-    S = S * torch.exp(g)[:, :, None, :]
-    pred = torch.einsum("nhvk,nhk->nhv", S, k)
-    S = S + (beta[..., None] * (v - pred))[..., None] * k[:, :, None, :]
-    return S, torch.einsum("nhvk,nhk->nhv", S, q)
+    """The step in float64 for the rows of ``idx`` (all real): ``(new states [N, HV, V, K], o [N, HV, V])``, by the
+    exact recurrence of the tools (:mod:`leapquant.tools.exact`)."""
+    S = recurrent_step(state[idx.long()].to(torch.float64), k, v, g, beta, "kda")
+    return S, output(S, q)
 
 
 def make_inputs(N: int, HV: int, K: int, V: int, gen: torch.Generator, device, act_dtype=torch.bfloat16):
-    """Decode-step inputs as a model gives them: unit-norm q, k, values, KDA log-decays (memory 10-1000 tokens)
-    and beta in (0.05, 0.95); q, k, v in ``act_dtype``, g and beta fp32."""
-    q = torch.nn.functional.normalize(torch.randn(N, HV, K, generator=gen), dim=-1)
-    k = torch.nn.functional.normalize(torch.randn(N, HV, K, generator=gen), dim=-1)
-    v = torch.randn(N, HV, V, generator=gen)
-    tau = 10.0 ** (1.0 + 2.0 * torch.rand(N, HV, K, generator=gen))  # log-uniform in [10, 1000]
-    g = torch.log1p(-1.0 / tau)
-    beta = 0.05 + 0.9 * torch.rand(N, HV, generator=gen)
-    out = dict(q=q.to(act_dtype), k=k.to(act_dtype), v=v.to(act_dtype), g=g, beta=beta)
+    """Decode-step inputs as a model gives them: one token of the tools' synthetic stream
+    (:func:`leapquant.tools.streams.decode_stream`: unit-norm q and k, values, KDA log-decays with memories of 10-1000
+    tokens, beta in (0.05, 0.95)); q, k, v in ``act_dtype``, g and beta fp32."""
+    x = decode_stream("synthetic", N, HV, K, V, 1, "kda", gen)
+    out = {n: t[0].to(act_dtype) if n in ("q", "k", "v") else t[0] for n, t in x.items()}
     return {name: t.to(device).contiguous() for name, t in out.items()}
 
 
@@ -124,8 +120,7 @@ def check(device, N: int = 3, HV: int = 4, K: int = 128, V: int = 128, BV: int =
     rows = torch.tensor([0] + list(range(2, N + 1)), device=device)
     S_ref, o_ref = kda_step_reference(before, idx[rows], *(inp[n][rows] for n in ("q", "k", "v", "g", "beta")))
     S_got = state[idx[rows].long()].to(torch.float64)
-    rel = lambda a, b: float(torch.linalg.vector_norm(a - b) / torch.linalg.vector_norm(b))  # noqa: E731
-    err_s, err_o = rel(S_got, S_ref), rel(o[rows].to(torch.float64), o_ref)
+    err_s, err_o = (float(relative_error(a, b, None)) for a, b in ((S_got, S_ref), (o[rows], o_ref)))
     others = torch.ones(NS, dtype=torch.bool, device=device)
     others[idx[rows].long()] = False
     untouched = torch.equal(state[others], before[others]) and bool(torch.isnan(o[1]).all())

@@ -1,11 +1,14 @@
-"""LeapQuant: the flush of int8 + rank-R compressed recurrent state for KDA / Gated DeltaNet layers.
+"""LeapQuant: int8 + rank-R compressed recurrent state for KDA / Gated DeltaNet decode.
 
     import leapquant
-    pool = leapquant.Pool(num_slots=257, device="cuda")
-    leapquant.flush(pool, idx, backend="auto")      # in place; idx int32 [N]
+    pool = leapquant.Pool(num_slots=257, heads=32, gate="kda", device="cuda")   # slot 0: the null slot
+    pool.load_states(slots, state, state_v_first=False)   # a prefill's fp32 state [N, HV, K, V] into its slots
+    o = leapquant.step(pool, idx, q, k, v, g, beta)       # one decode token: full rings flushed, the output returned
+    leapquant.flush(pool, idx)                            # the flush alone (in place; idx int32 [N])
+    state = pool.states(slots, state_v_first=False)       # the states back, for a prefill that continues them
 
 ``leapquant.reference`` is the fp32 definition of correct; ``leapquant.backends()`` lists the backends and why one
-cannot run here.
+cannot run here. The tools (demo, decode simulation, prefill round trip) are in ``leapquant.tools``.
 """
 
 from . import formulas, reference

@@ -25,7 +25,7 @@ import torch
 
 import leapquant
 from leapquant import parity
-from leapquant.workloads import fill
+from leapquant.tools.workloads import fill
 
 
 def _backends() -> list[str]:

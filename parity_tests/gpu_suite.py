@@ -27,8 +27,8 @@ from math import nan
 
 import leapquant
 from leapquant import parity
-from leapquant.__main__ import device_lines
-from leapquant.workloads import REGIMES, regimes_within
+from leapquant.tools.machine import device_lines
+from leapquant.tools.workloads import REGIMES, regimes_within
 
 from .conftest import backends_here
 from .strategies import build_case

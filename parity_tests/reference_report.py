@@ -17,7 +17,7 @@ import time
 import torch
 
 from leapquant import parity
-from leapquant.workloads import REGIMES
+from leapquant.tools.workloads import REGIMES
 
 from .strategies import build_case
 

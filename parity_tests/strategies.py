@@ -12,7 +12,7 @@ import torch
 from hypothesis import strategies as st
 
 import leapquant
-from leapquant.workloads import REGIMES, fill, regimes_within
+from leapquant.tools.workloads import REGIMES, fill, regimes_within
 
 
 @dataclass

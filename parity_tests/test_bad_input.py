@@ -29,7 +29,7 @@ import torch
 
 import leapquant
 from leapquant import parity
-from leapquant.workloads import fill
+from leapquant.tools.workloads import fill
 
 from .conftest import backends_here
 from .strategies import reloaded

@@ -1,6 +1,7 @@
 """``python -m bench.digest --baseline``: it runs its cases under the other tree's packages and tells equal bytes from
 different ones (the reference backend, so that it runs on a CPU)."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -53,3 +54,16 @@ def test_unknown_backend_is_refused():
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert "--backends: fla; choose from triton, tilelang, reference" in res.stderr
+
+
+def test_without_a_gpu_backend_it_says_so_and_fails():
+    """On a CPU the default backends (Triton, TileLang) flush nothing: ``bench.digest`` must not report success."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU backend runs here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as a reader runs it, no interpreter
+    res = subprocess.run([sys.executable, "-m", "bench.digest", "--device", "cpu"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600, env=env)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "needs a GPU backend" in res.stderr and "--backends reference" in res.stderr, res.stderr

@@ -13,7 +13,9 @@ import leapquant
 from leapquant import parity
 from leapquant import formulas as ref
 from leapquant.constants import BASE_WORDS
-from leapquant.workloads import REGIMES, fill, token_stream
+from leapquant.tools.exact import recurrent_step
+from leapquant.tools.streams import decode_stream
+from leapquant.tools.workloads import REGIMES, fill
 
 from .strategies import build_case, cases
 
@@ -78,18 +80,6 @@ def test_start_matrix():
     assert torch.equal(q[:, 0], (m0 / m0.norm()).float())
 
 
-def float64_recurrence(S, k, v, g, beta, gate):
-    """Plain float64 delta rule, [V, K] layout: S <- S diag(exp g) (KDA) or exp(g) S (GDN); S += beta (v - S k) k^T.
-    The update of FLA's naive_recurrent_kda (written there in [K, V] layout)."""
-    for t in range(k.shape[0]):
-        decay = torch.exp(g[t].double())
-        S = S * (decay[..., None, :] if gate == "kda" else decay[..., None, None])
-        kt = k[t].double()
-        pred = torch.einsum("...vk,...k->...v", S, kt)
-        S = S + beta[t].double()[..., None, None] * torch.einsum("...v,...k->...vk", v[t].double() - pred, kt)
-    return S
-
-
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_append_follows_the_recurrence(gate):
     """pool.append (+ reference flushes) tracks the exact float64 recurrence over several rings, to the precision of
@@ -100,7 +90,8 @@ def test_append_follows_the_recurrence(gate):
     S0 = torch.zeros(2, 2, 128, 128)
     pool.load_states(slots, S0)
     T = 3 * pool.ring + 5
-    k, v, g, beta = token_stream(2, 2, 128, 128, T, gate, gen)
+    x = decode_stream("synthetic", 2, 2, 128, 128, T, gate, gen, queries=False)
+    k, v, g, beta = x["k"], x["v"], x["g"], x["beta"]
     S = S0.double()
     idx = torch.tensor(slots, dtype=torch.int32)
     for t in range(T):
@@ -108,7 +99,7 @@ def test_append_follows_the_recurrence(gate):
             assert bool((pool.hcnt[1:] == pool.ring).all())
             leapquant.flush(pool, idx, backend="reference")
         pool.append(slots, k[t], v[t], g[t], beta[t])
-        S = float64_recurrence(S, k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], gate)
+        S = recurrent_step(S, k[t], v[t], g[t], beta[t], gate)  # float64: the exact recurrence
     err = ref.relative_error(pool.states(slots), S)
     assert float(err.max()) < 0.02, err
     # and before the first flush, nothing but bf16 rounding of the ring separates the two
@@ -117,7 +108,7 @@ def test_append_follows_the_recurrence(gate):
     S = torch.zeros(1, 2, 128, 128, dtype=torch.float64)
     for t in range(pool2.ring):
         pool2.append([1], k[t, :1], v[t, :1], g[t, :1], beta[t, :1])
-        S = float64_recurrence(S, k[t:t + 1, :1], v[t:t + 1, :1], g[t:t + 1, :1], beta[t:t + 1, :1], gate)
+        S = recurrent_step(S, k[t, :1], v[t, :1], g[t, :1], beta[t, :1], gate)
     assert float(ref.relative_error(pool2.states([1]), S).max()) < 1e-2
     assert int(pool2.hcnt[1, 0]) == pool2.ring
 
@@ -457,10 +448,11 @@ def test_flush_interface_under_torch_compile(monkeypatch):
 def test_definition_is_current_and_runs(gate):
     import json
 
-    from leapquant import definition
+    from leapquant.tools import definition
 
     committed = json.loads(definition.path(gate).read_text())
-    assert committed == definition.build(gate), "run `python -m leapquant.definition` and commit the result"
+    assert committed == definition.build(gate), ("run `python -m leapquant.tools.definition --write` and commit the "
+                                                 "result")
     for name, spec in list(committed["inputs"].items()) + list(committed["outputs"].items()):
         for axis in spec["shape"]:
             assert axis in committed["axes"], (name, axis)

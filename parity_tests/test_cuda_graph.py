@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import leapquant
-from leapquant.workloads import fill
+from leapquant.tools.workloads import fill
 
 from .conftest import backends_here
 

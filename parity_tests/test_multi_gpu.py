@@ -13,7 +13,7 @@ import torch
 
 import leapquant
 from leapquant.ops import op_args
-from leapquant.workloads import fill
+from leapquant.tools.workloads import fill
 
 from .conftest import backends_here
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import leapquant
 from leapquant import parity
 from leapquant.constants import EPS
-from leapquant.workloads import fill, regimes_within
+from leapquant.tools.workloads import fill, regimes_within
 
 from .strategies import Case, build_case, cases, default_geometry, random_bits
 

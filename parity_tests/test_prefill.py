@@ -1,4 +1,4 @@
-"""The prefill round trip (``leapquant.prefill``): FLA's prefill state -> ``load_states`` -> ``leapquant.step`` ->
+"""The prefill round trip (``leapquant.tools.prefill``): FLA's prefill state -> ``load_states`` -> ``leapquant.step`` ->
 ``states`` -> FLA's prefill resumed, against FLA continuing from the exact state. On a CPU FLA's naive recurrences
 stand in for its GPU kernels; the Triton path runs through the interpreter. The GPU suite calls the same
 ``round_trip`` on CUDA with FLA's ``chunk_*`` and ``fused_recurrent_*`` kernels."""
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("fla")
 
-from leapquant.prefill import SIMULATION_OUTPUT_WORST, failures, main, round_trip, table  # noqa: E402
+from leapquant.tools.prefill import SIMULATION_OUTPUT_WORST, failures, main, round_trip, table  # noqa: E402
 
 from .conftest import compute_devices  # noqa: E402
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 import leapquant
-from leapquant.simulate import Method, decode_stream, exact_recurrence, quantise_rows, recurrent_step, simulate
+from leapquant.tools.exact import exact_recurrence, recurrent_step
+from leapquant.tools.simulate import Method, quantise_rows, simulate
+from leapquant.tools.streams import decode_stream
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # parity_tests/conftest.py

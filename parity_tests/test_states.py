@@ -26,7 +26,7 @@ from leapquant import parity
 from leapquant import formulas as ref
 from leapquant.backends import Backend, BackendError, Requirements
 from leapquant.constants import EPS
-from leapquant.workloads import fill, target_states
+from leapquant.tools.workloads import fill, target_states
 
 from .conftest import compute_devices
 
@@ -57,7 +57,8 @@ def _poisoned(num_slots=5, heads=2, head_k=64, head_v=64, ring=8, rank=2, gate="
 
 
 def _states(pool, n: int, regime: str, g: torch.Generator, scale: float | None = None) -> torch.Tensor:
-    """fp32 V-first states ``[n, HV, V, K]`` of a regime of :mod:`leapquant.workloads` (max|S| rescaled to ``scale``)."""
+    """fp32 V-first states ``[n, HV, V, K]`` of a regime of :mod:`leapquant.tools.workloads` (max|S| rescaled to
+    ``scale``)."""
     S = target_states(regime, n, pool.heads, pool.head_v, pool.head_k, g)
     if scale is not None:
         S = S * (scale / S.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(1e-30))
@@ -117,7 +118,7 @@ def test_load_states_zero_domain_and_bytes_of_the_reference(gate):
 
 def _filled(gate: str, head_k=64, head_v=64, ring=8, rank=3, seed=0):
     """A pool of random bytes whose slots 1-3 hold checkpoints and full rings: slot 1 by a token stream, slot 2 of a
-    low-rank state, slot 3 of a fully decayed one (the regimes of :func:`leapquant.workloads.fill`)."""
+    low-rank state, slot 3 of a fully decayed one (the regimes of :func:`leapquant.tools.workloads.fill`)."""
     pool, g = _poisoned(5, 2, head_k, head_v, ring, rank, gate, seed=seed)
     for slot, regime in ((1, "realistic"), (2, "lowrank"), (3, "decayed")):
         fill(pool, [slot], regime, g)

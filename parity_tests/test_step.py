@@ -9,7 +9,7 @@ import leapquant
 from leapquant import parity
 from leapquant import formulas as ref
 from leapquant.checks import token_rows
-from leapquant.workloads import fill
+from leapquant.tools.workloads import fill
 
 fla_kda = pytest.importorskip("fla.ops.kda.naive")
 fla_gdn = pytest.importorskip("fla.ops.gated_delta_rule.naive")

@@ -10,7 +10,9 @@ import math
 
 import torch
 
-from .pool import Pool
+from leapquant import Pool
+
+from .streams import decode_stream
 
 REGIMES = ("gaussian", "lowrank", "large_columns", "realistic", "zero", "tiny", "huge", "decayed")
 """Value regimes of the rebuilt state: Gaussian; low rank plus noise; a few large columns; states produced by
@@ -102,42 +104,16 @@ def fill(pool: Pool, slots, regime: str, gen: torch.Generator, due: torch.Tensor
     pool.hcnt[slots.to(dev)] = torch.where(due.cpu(), torch.full_like(below, L), below).to(dev)
 
 
-def token_stream(n: int, heads: int, K: int, V: int, T: int, gate: str, gen: torch.Generator, structured=False):
-    """Synthetic decode inputs ``(k, v, g, beta)``, each ``[T, n, heads, ...]``.
-
-    Keys are unit vectors; KDA log-decays per key channel give memory lengths from ~10 to ~1000 tokens
-    (``g = log(1 - 1/tau)``, tau log-uniform); GDN takes one such decay per head; beta in (0, 1). ``structured``
-    draws keys near a few dominant directions and adds outlier value channels, as trained models show.
-    """
-    tau = torch.exp(math.log(10.0) + (math.log(1000.0) - math.log(10.0)) * _rand(gen, n, heads, K))
-    g_kda = torch.log1p(-1.0 / tau)
-    if structured:
-        dirs = torch.nn.functional.normalize(_randn(gen, n, heads, 3, K), dim=-1)
-        coef = _randn(gen, T, n, heads, 3) * torch.tensor([3.0, 1.5, 1.0])
-        k = torch.einsum("tnhd,nhdk->tnhk", coef, dirs) + 0.3 * _randn(gen, T, n, heads, K) / math.sqrt(K)
-    else:
-        k = _randn(gen, T, n, heads, K)
-    k = torch.nn.functional.normalize(k, dim=-1)
-    v = _randn(gen, T, n, heads, V)
-    if structured:
-        out = torch.randperm(V, generator=gen)[:4]
-        v[..., out] *= 10.0
-    beta = 0.05 + 0.9 * _rand(gen, T, n, heads)
-    if gate == "kda":
-        g = g_kda.expand(T, n, heads, K) * (0.5 + _rand(gen, T, n, heads, K))
-    else:
-        g = g_kda[..., 0].expand(T, n, heads) * (0.5 + _rand(gen, T, n, heads))
-    return k, v, g, beta
-
-
 def _fill_by_stream(pool: Pool, slots: torch.Tensor, gen: torch.Generator, fills: int = 3) -> None:
     """States as an engine makes them: tokens appended and rings flushed (by the reference) ``fills`` times over,
     leaving a full ring."""
-    from .reference import ReferenceBackend
+    from leapquant.reference import ReferenceBackend
 
     n, dev = slots.numel(), pool.device
     pool.load_states(slots, torch.zeros(n, pool.heads, pool.head_v, pool.head_k, device=dev), backend="reference")
-    k, v, g, beta = token_stream(n, pool.heads, pool.head_k, pool.head_v, fills * pool.ring, pool.gate, gen)
+    x = decode_stream("synthetic", n, pool.heads, pool.head_k, pool.head_v, fills * pool.ring, pool.gate, gen,
+                      queries=False)
+    k, v, g, beta = x["k"], x["v"], x["g"], x["beta"]
     idx = slots.to(torch.int32).to(dev)
     for t in range(fills * pool.ring):
         if t and t % pool.ring == 0:

@@ -1,24 +1,30 @@
 """The op described in the FlashInfer-Trace definition schema, one definition per gate.
 
+    python -m leapquant.tools.definition --check     # are the committed files current? (exit 1 if not)
+    python -m leapquant.tools.definition --write     # rewrite them from leapquant.reference
+
 ``build(gate)`` generates the definition from :mod:`leapquant.reference`: the ``reference`` field is the source of
-the reference's own functions plus a ``run`` with the op's input order, so it runs standalone with torch alone.
-``python -m leapquant.definition`` rewrites the committed files under ``leapquant/definition/``; a test checks that
-they are current and that their ``run`` gives the reference's outputs bit for bit.
+the reference's own functions plus a ``run`` with the op's input order, so it runs standalone with torch alone. The
+committed files are under ``leapquant/tools/definition/``; a test checks that they are current and that their ``run``
+gives the reference's outputs bit for bit.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import sys
 import textwrap
 from pathlib import Path
 
-from . import constants, reference
+from leapquant import constants, formulas
+
+from .cli import parser
 
 DIR = Path(__file__).parent / "definition"
-FUNCTIONS = (reference.dequantise, reference.low_rank, reference.decays, reference.ring_state,
-             reference.checkpoint_scale, reference.rebuild, reference.cholqr, reference.pow2_normaliser,
-             reference.subspace, reference.compress)
+FUNCTIONS = (formulas.dequantise, formulas.low_rank, formulas.decays, formulas.ring_state,
+             formulas.checkpoint_scale, formulas.rebuild, formulas.cholqr, formulas.pow2_normaliser,
+             formulas.subspace, formulas.compress)
 
 _RUN = {
     "kda": '''
@@ -107,6 +113,26 @@ def write() -> list[Path]:
     return out
 
 
+def stale() -> list[Path]:
+    """The committed files that differ from what :func:`build` makes now (or are missing)."""
+    return [path(g) for g in ("kda", "gdn") if not path(g).exists() or json.loads(path(g).read_text()) != build(g)]
+
+
+def main(argv=None) -> int:
+    ap = parser("python -m leapquant.tools.definition", __doc__)
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--write", action="store_true", help="rewrite the committed definition files")
+    what.add_argument("--check", action="store_true", help="list the files that are not current; exit 1 if any")
+    args = ap.parse_args(argv)
+    if args.write:
+        for p in write():
+            print(p)
+        return 0
+    old = stale()
+    for p in old:
+        print(f"not current: {p} (python -m leapquant.tools.definition --write)")
+    return 1 if old else 0
+
+
 if __name__ == "__main__":
-    for p in write():
-        print(p)
+    sys.exit(main())
