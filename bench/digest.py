@@ -1,11 +1,12 @@
 """Whether two versions of the GPU backends write the same bytes.
 
-    python -m bench.digest                     # one SHA-256 per (case, backend) of every pool tensor after a flush
+    python -m bench.digest                     # one SHA-256 per (case, backend, operation) of the bytes it wrote
     python -m bench.digest --baseline DIR      # the same cases under DIR's packages too, compared case by case
 
 Each case is a seeded pool (both gates, the default and smaller shapes, ring 8 to 32, ITERS 1 and 2, both slot
-conventions, the grid and the list schedules of the Triton backend) with a seeded due pattern, flushed once in place
-with ``check=False``. ``--baseline DIR`` takes another version's ``leapquant``, ``leapquant_triton`` and
+conventions, the grid and the list schedules of the Triton backend) with a seeded due pattern. On a fresh copy of it
+each operation the backend implements runs once in place with ``check=False``: a flush, a decode step of seeded bf16
+tokens (its output digested too), and ``states`` then ``load_states`` of the case's slots (the rebuilt states too). ``--baseline DIR`` takes another version's ``leapquant``, ``leapquant_triton`` and
 ``leapquant_tilelang`` packages, as ``python -m bench --baseline`` does, runs the same cases under them in a
 subprocess, and exits 1 if any case's bytes differ: a refactoring that claims "behaviour unchanged" shows it here.
 ``--backends triton`` (or ``tilelang``) digests one backend only: after a change to one kernel, the other's compiles
@@ -59,30 +60,72 @@ BACKENDS = ("triton", "tilelang", "reference")
 GPU_BACKENDS = BACKENDS[:2]
 
 
+OPS = ("flush", "step", "states")
+
+
+def _implements(b, op: str) -> bool:
+    # a --baseline tree from before Backend.implements said it with has_step / has_states
+    if hasattr(b, "implements"):
+        return b.implements(op)
+    return op == "flush" or getattr(b, f"has_{op}")
+
+
+def _hash(*tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        if t is not None:
+            h.update(t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _run(op: str, pool, idx, backend: str, case_seed: int):
+    """``op`` on the case's pool with ``check=False``; the tensors it wrote besides the pool (the step's output, the
+    rebuilt states)."""
+    import leapquant
+
+    if op == "flush":
+        leapquant.flush(pool, idx, backend=backend, check=False)
+        return ()
+    if op == "step":
+        gen = torch.Generator().manual_seed(case_seed)
+        B, HV, K, V = idx.numel(), pool.heads, pool.head_k, pool.head_v
+        q = torch.randn(B, HV, K, generator=gen).to(pool.device, torch.bfloat16)
+        k = torch.nn.functional.normalize(torch.randn(B, HV, K, generator=gen), dim=-1).to(pool.device, torch.bfloat16)
+        v = torch.randn(B, HV, V, generator=gen).to(pool.device, torch.bfloat16)
+        g = -0.05 * torch.rand(*((B, HV, K) if pool.gate == "kda" else (B, HV)), generator=gen)
+        beta = torch.rand(B, HV, generator=gen)
+        o = leapquant.step(pool, idx, q, k, v, g.to(pool.device), beta.to(pool.device), backend=backend, check=False)
+        return (o,)
+    # states: the rebuilt states of the case's slots, then those states compressed back into them
+    S = pool.states(idx, backend=backend, check=False)
+    pool.load_states(idx, S, backend=backend, check=False)
+    return (S,)
+
+
 def digests(device: torch.device, backends: tuple = GPU_BACKENDS) -> list[dict]:
-    """One record per (case, backend of ``backends`` that supports it): the SHA-256 of all pool bytes after a flush."""
+    """One record per (case, backend of ``backends``, operation of :data:`OPS`), each on a fresh seeded pool: the
+    SHA-256 of every pool tensor after the operation and of what else it wrote, or why it was skipped."""
     import leapquant
 
     out = []
-    for case in CASES:
+    for n, case in enumerate(CASES):
         for backend in backends:
-            pool, idx = _case_pool(case, device)
-            b = leapquant.get_backend(backend)
-            ok, why = b.available()
-            if ok:
-                ok, why = b.supports(pool)
-            rec = {"case": list(case), "backend": backend}
-            if not ok:
-                out.append(dict(rec, skipped=why))
-                continue
-            due = int(pool.due(idx).sum())
-            leapquant.flush(pool, idx, backend=backend, check=False)
-            h = hashlib.sha256()
-            for name in ("raw", "kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt"):
-                t = getattr(pool, name)
-                if t is not None:
-                    h.update(t.contiguous().view(torch.uint8).cpu().numpy().tobytes())
-            out.append(dict(rec, sha256=h.hexdigest(), due=due))
+            for op in OPS:
+                pool, idx = _case_pool(case, device)
+                b = leapquant.get_backend(backend)
+                ok, why = b.available()
+                if ok:
+                    ok, why = b.supports(pool)
+                if ok and not _implements(b, op):
+                    ok, why = False, f"no {op}"
+                rec = {"case": list(case), "backend": backend, "op": op}
+                if not ok:
+                    out.append(dict(rec, skipped=why))
+                    continue
+                due = int(pool.due(idx).sum())
+                extra = _run(op, pool, idx, backend, 99 + n)
+                tensors = [getattr(pool, name) for name in ("raw", "kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt")]
+                out.append(dict(rec, sha256=_hash(*tensors, *extra), due=due))
     return out
 
 
@@ -117,7 +160,7 @@ def main(argv=None) -> int:
     print(f"leapquant from {Path(leapquant.__file__).resolve().parent}")
     if not args.baseline:
         for r in mine:
-            print(r["backend"], r["case"], r.get("sha256") or f"skipped: {r['skipped']}")
+            print(r["backend"], r["op"], r["case"], r.get("sha256") or f"skipped: {r['skipped']}")
         return 0
     # this file's cases under DIR's packages: `-c` puts DIR (the working directory) first on the path, ahead of
     # PYTHONPATH and site-packages, and run_path adds no folder of its own, so bench/'s modules cannot shadow anything
@@ -130,16 +173,17 @@ def main(argv=None) -> int:
         return 2
     # (TileLang logs its compiles on stdout: the records are the lines that are JSON objects)
     records = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    theirs = {(json.dumps(r["case"]), r["backend"]): r for r in records}
+    theirs = {(json.dumps(r["case"]), r["backend"], r["op"]): r for r in records}
     same = differ = 0
     for r in mine:
-        t = theirs.get((json.dumps(r["case"]), r["backend"]), {})
+        t = theirs.get((json.dumps(r["case"]), r["backend"], r["op"]), {})
+        what = f"{r['backend']:<9} {r['op']:<6} {r['case']}"
         if "sha256" not in r or "sha256" not in t:
-            print(f"{r['backend']:<9} {r['case']}  not compared: {r.get('skipped') or t.get('skipped') or 'missing'}")
+            print(f"{what}  not compared: {r.get('skipped') or t.get('skipped') or 'missing'}")
             continue
         eq = r["sha256"] == t["sha256"]
         same, differ = same + eq, differ + (not eq)
-        print(f"{r['backend']:<9} {r['case']}  {'same bytes' if eq else 'DIFFERENT BYTES'}")
+        print(f"{what}  {'same bytes' if eq else 'DIFFERENT BYTES'}")
     print(f"{same} cases with the same bytes, {differ} different (baseline: {cwd})")
     if not same and not differ:
         print("nothing compared: no case ran under both trees", file=sys.stderr)

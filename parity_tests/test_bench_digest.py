@@ -40,13 +40,16 @@ def _digest(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("tamper", [False, True], ids=["same-packages", "one-bit-flipped"])
 def test_baseline_comparison(tmp_path, tamper):
     res = _digest("--baseline", str(_baseline(tmp_path, tamper)))
-    n = 8  # bench.digest.CASES, all supported by the reference
+    n = 8  # bench.digest.CASES, all supported by the reference, each digested after a flush, a step and states
     if tamper:
+        # only leapquant.flush flips its bit: the step and states records still agree
         assert res.returncode == 1, res.stdout + res.stderr
-        assert f"0 cases with the same bytes, {n} different" in res.stdout
+        assert f"{2 * n} cases with the same bytes, {n} different" in res.stdout
+        assert res.stdout.count("DIFFERENT BYTES") == n
+        assert all(line.split()[1] == "flush" for line in res.stdout.splitlines() if "DIFFERENT" in line)
     else:
         assert res.returncode == 0, res.stdout + res.stderr
-        assert f"{n} cases with the same bytes, 0 different" in res.stdout
+        assert f"{3 * n} cases with the same bytes, 0 different" in res.stdout
 
 
 def test_unknown_backend_is_refused():
