@@ -49,8 +49,6 @@ MAXNREG = 128
 # H200 the fastest of that design: 8192 values 1.3-1.5x as long, 8 warps 2.7-3x)
 FMA_CHUNK = 4096
 FMA_WARPS = 4
-# step_pool's default: 1, the flush of the full rings and then the step; 2, the two-stream split (docs/DESIGN.md)
-STREAMS = 1
 
 
 @triton.jit
@@ -149,7 +147,7 @@ def _piece_rows(b_a, b_b, o_c, NATIVE: tl.constexpr):
 
 @triton.jit
 def _store_ring_row(p_pc, p_w, p_gb, p_kb, p_h, b_pc, b_w, b_gn, b_kj, b_beta, j, o_k, o_l, K: tl.constexpr,
-                    IS_KDA: tl.constexpr, WRITE_HCNT: tl.constexpr = True):
+                    IS_KDA: tl.constexpr):
     """The ring row's new values (SPEC §6 steps 1 and 4): pcum; w (GDN: every i < j decayed) with w[j] = beta; KDA
     gbuf[j]; kbuf[j]; hcnt = j + 1. An invalid negative count writes no entry, as the reference (the masks are
     selects: see kernel.due_list_kernel)."""
@@ -162,8 +160,7 @@ def _store_ring_row(p_pc, p_w, p_gb, p_kb, p_h, b_pc, b_w, b_gn, b_kj, b_beta, j
         tl.store(p_pc, b_pc)
         tl.store(p_w + o_l, tl.where(o_l == j, b_beta, b_w), mask=o_l <= j)
     tl.store(p_kb + j * K + o_k, b_kj, mask=m_new)
-    if WRITE_HCNT:
-        tl.store(p_h, j + 1)
+    tl.store(p_h, j + 1)
 
 
 @triton.jit
@@ -211,44 +208,31 @@ def _piece_columns(b_x1, b_x2, b_x3, b_x4, o_c, FIRST: tl.constexpr):
 def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, hcnt,
                           sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h, so_n, so_h, scale, NS, HV, G,
                           SS, HS, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-                          R: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-                          NATIVE: tl.constexpr, DUE: tl.constexpr):
+                          R: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr, IS_KDA: tl.constexpr,
+                          USE_QK_L2NORM: tl.constexpr, NATIVE: tl.constexpr):
     """One token into the ring of (idx[n], hv) and ``out[n, hv] = scale S_t q``; grid (N, HV).
 
     Token tensors (any float dtype; strides ``s*_n``, ``s*_h`` of their first two dims, unit last stride): q, k
     [N, H, K] with H = HV / G; v [N, HV, V]; g [N, HV, K] (KDA) or [N, HV]; beta [N, HV]; out [N, HV, V]. Pool:
     ``codes``, ``skv``, ``uq`` int8, fp32, fp16 views of ``raw``, region (s, hv) at word s SS + hv HS; the ring
     rows kbuf [L, K], ubuf [L, V], w [L], pcum [K] or [1], gbuf [L, K] (KDA; GDN: any pointer), hcnt, at row
-    s HV + hv. A row whose slot is not real gets out = 0 and writes nothing else.
-
-    ``DUE`` 0: every pair. The split of :func:`step_pool`'s two streams, which leaves ``hcnt`` to
-    :func:`step_commit_kernel` so that the due test reads the same counts throughout: 1, the pairs whose ring is not
-    full; 2, the full ones (after their flush), padding rows left to mode 1."""
+    s HV + hv. A row whose slot is not real gets out = 0 and writes nothing else."""
     i_n, i_hv = tl.program_id(0), tl.program_id(1)
     i_n64 = i_n.to(tl.int64)
     o_k, o_v, o_l, o_c = tl.arange(0, K), tl.arange(0, V), tl.arange(0, BL), tl.arange(0, 16)
     p_o = out + i_n64 * so_n + i_hv * so_h
     i_s = tl.load(idx + i_n).to(tl.int64)
     if (i_s < FIRST) | (i_s >= NS):
-        if DUE != 2:
-            _store_out(p_o + o_v, tl.zeros([V], dtype=tl.float32), NATIVE)
+        _store_out(p_o + o_v, tl.zeros([V], dtype=tl.float32), NATIVE)
         return
     i_h = i_hv // G
     i_sh = i_s * HV + i_hv  # int64: NS HV L K passes 2^31 at a few thousand slots
     o_reg = i_s * SS + i_hv * HS
     p_cd, p_skv, p_uq, p_kb, p_ub, p_w, p_pc, p_gb = _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf,
                                                                      o_reg, i_sh, K, V, L, IS_KDA)
-    # the codes first: the largest load, and it depends on nothing but the slot (mode 2: most pairs leave)
-    if DUE != 2:
-        b_cd = tl.load(p_cd)
+    # the codes first: the largest load, and it depends on nothing but the slot
+    b_cd = tl.load(p_cd)
     j = tl.load(hcnt + i_sh)
-    if DUE == 1:
-        if j >= L:
-            return
-    if DUE == 2:
-        if j < L:
-            return
-        b_cd = tl.load(p_cd)
     j = tl.where(j >= L, 0, j)  # a full ring was flushed: it restarts at entry 0
     m_old = o_l < j  # the entries in use; nothing at or past j is read
     b_k = _load_key(k + i_n64 * sk_n + i_h * sk_h, USE_QK_L2NORM, K)
@@ -299,8 +283,7 @@ def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf
     _store_out(p_o + o_v, scale * b_o, NATIVE)
     # every warp has read pcum, w and hcnt (their layouts replicate them over warps) before any overwrites them
     tl.debug_barrier()
-    _store_ring_row(p_pc, p_w, p_gb, p_kb, hcnt + i_sh, b_pc, b_w, b_gn, b_kj, b_beta, j, o_k, o_l, K, IS_KDA,
-                    DUE == 0)
+    _store_ring_row(p_pc, p_w, p_gb, p_kb, hcnt + i_sh, b_pc, b_w, b_gn, b_kj, b_beta, j, o_k, o_l, K, IS_KDA)
     tl.store(p_ub + j * V + o_v, b_un, mask=tl.where(j >= 0, o_v < V, False))
 
 
@@ -379,20 +362,6 @@ def leapquant_step_fma_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, 
         _store_out(p_o + o_vc, scale * b_o, NATIVE)
 
 
-@triton.jit
-def step_commit_kernel(idx, hcnt, NS, HV, FIRST: tl.constexpr, L: tl.constexpr, BH: tl.constexpr):
-    """``hcnt = (0 if hcnt >= L else hcnt) + 1`` for every head of each real slot of ``idx``: the counts of a
-    two-stream step (:func:`leapquant_step_kernel` modes 1 and 2), written once both halves are done; grid (N,)."""
-    i_n = tl.program_id(0)
-    i_s = tl.load(idx + i_n).to(tl.int64)
-    if (i_s < FIRST) | (i_s >= NS):
-        return
-    o_h = tl.arange(0, BH)
-    p_h = hcnt + i_s * HV + o_h
-    b_h = tl.load(p_h, mask=o_h < HV, other=0)
-    tl.store(p_h, tl.where(b_h >= L, 0, b_h) + 1, mask=o_h < HV)
-
-
 def uses_fma(capability: int | None) -> bool:
     """Whether a GPU of compute capability ``capability`` (``major * 10 + minor``) runs
     :func:`leapquant_step_fma_kernel`: sm_75, where Triton cannot lower the int8 product to the tensor cores."""
@@ -411,7 +380,7 @@ def step_build(geometry, convention: str, use_qk_l2norm: bool, capability: int |
     if fma:
         return leapquant_step_fma_kernel, dict(consts, BV=min(g.head_v, FMA_CHUNK // g.head_k)), \
             compile_options(FMA_WARPS, None)
-    return leapquant_step_kernel, dict(consts, BL=max(g.ring, 16), DUE=0), compile_options(NUM_WARPS, MAXNREG)
+    return leapquant_step_kernel, dict(consts, BL=max(g.ring, 16)), compile_options(NUM_WARPS, MAXNREG)
 
 
 _LAUNCHERS = {leapquant_step_kernel: Launcher(leapquant_step_kernel, mma_sync_only),
@@ -426,11 +395,11 @@ def _capability(device: torch.device) -> int | None:
 
 
 # per pool memory (keyed weakly by the pool's raw tensor: they go with it):
-# {(geometry, convention, l2norm): (the tensors' (address, dtype)s, Prepared)}
+# {(geometry, convention, l2norm, fma): (the tensors' (address, dtype)s, Prepared)}
 _PREPARED = WeakIdKeyDictionary()
 
 
-def _prepared(pool, use_qk_l2norm: bool, fma: bool | None, due: int = 0):
+def _prepared(pool, use_qk_l2norm: bool, fma: bool | None):
     """The step's launch with the pool's tensors and constants bound once (:meth:`.launcher.Launcher.prepare`),
     prepared again when a tensor of the pool moved (as :func:`.host._plan`)."""
     g = pool.geometry
@@ -441,43 +410,26 @@ def _prepared(pool, use_qk_l2norm: bool, fma: bool | None, due: int = 0):
     cache = _PREPARED.get(pool.raw)
     if cache is None:
         cache = _PREPARED[pool.raw] = {}
-    key = (g, pool.convention, bool(use_qk_l2norm), fma, due)
+    key = (g, pool.convention, bool(use_qk_l2norm), fma)
     entry = cache.get(key)
     if entry is None or entry[0] != memory:
         kernel, consts, options = step_build(g, pool.convention, use_qk_l2norm, _capability(pool.raw.device), fma)
         static = dict(tensors, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, HS=g.head_stride, **consts)
-        if "DUE" in consts:
-            static["DUE"] = due
         entry = cache[key] = (memory, _LAUNCHERS[kernel].prepare(static, options))
     return entry[1]
 
 
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """A high-priority stream per device for the flush half of a two-stream step: its programs are scheduled before
-    the step's as SMs free up."""
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        low, high = torch.cuda.Stream.priority_range()
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=high)
-    return stream
-
-
 def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-              beta: torch.Tensor, scale: float, use_qk_l2norm: bool, out: torch.Tensor, fma: bool | None = None,
-              streams: int | None = None) -> None:
+              beta: torch.Tensor, scale: float, use_qk_l2norm: bool, out: torch.Tensor,
+              fma: bool | None = None) -> None:
     """One decode token per row of ``idx`` (int32 ``[N]``) on ``pool`` in place, ``out`` written (SPEC §6).
 
-    ``streams=1``: flushes the full rings of ``idx`` first (:func:`.host.flush_pool`; stream order makes the step
-    see the new checkpoints), then launches :func:`leapquant_step_kernel` (:func:`leapquant_step_fma_kernel` on
-    sm_75, or where ``fma`` asks: the tests run both) on grid ``(N, HV)``. ``streams=2`` (a GPU from sm_80): the
-    pairs whose ring is not full step on the current stream while a side stream flushes the full ones and then
-    steps them; the current stream waits for the side stream and :func:`step_commit_kernel` writes the counts.
-    ``None``: :data:`STREAMS`. ``q``, ``k`` ``[N, H, K]`` (H dividing HV), ``v`` ``[N, HV, V]``, ``g``
-    ``[N, HV, K]`` (KDA) or ``[N, HV]`` (GDN), ``beta`` ``[N, HV]``, ``out`` ``[N, HV, V]``: float32, bfloat16 or
-    float16, unit last stride. No host synchronisation and no allocation beyond the flush's: graph-capturable."""
+    Flushes the full rings of ``idx`` first (:func:`.host.flush_pool`; stream order makes the step see the new
+    checkpoints), then launches :func:`leapquant_step_kernel` (:func:`leapquant_step_fma_kernel` on sm_75, or where
+    ``fma`` asks: the tests run both) on grid ``(N, HV)``. ``q``, ``k`` ``[N, H, K]`` (H dividing HV), ``v``
+    ``[N, HV, V]``, ``g`` ``[N, HV, K]`` (KDA) or ``[N, HV]`` (GDN), ``beta`` ``[N, HV]``, ``out`` ``[N, HV, V]``:
+    float32, bfloat16 or float16, unit last stride. No host synchronisation and no allocation beyond the flush's:
+    graph-capturable."""
     N = idx.numel()
     if N == 0:
         return
@@ -485,28 +437,5 @@ def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                                                              ("o", out)) for i, d in enumerate("nh")}
     dynamic = dict(idx=idx, q=q, k=k, v=v, g=g, beta=beta, out=out, **strides, scale=float(scale),
                    G=pool.heads // q.shape[1])
-    grid = (N, pool.heads)
-    device = pool.raw.device
-    two = (STREAMS if streams is None else streams) == 2 and not fma and not uses_fma(_capability(device)) \
-        and device.type == "cuda" and not _interpreting()
-    if not two:
-        flush_pool(pool, idx)
-        _prepared(pool, use_qk_l2norm, fma)(grid, dynamic)
-        return
-    main, side = torch.cuda.current_stream(device), _side_stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        flush_pool(pool, idx)
-        _prepared(pool, use_qk_l2norm, fma, due=2)(grid, dynamic)
-    _prepared(pool, use_qk_l2norm, fma, due=1)(grid, dynamic)
-    main.wait_stream(side)
-    _commit(pool, idx)
-
-
-_launch_commit = Launcher(step_commit_kernel, mma_sync_only)
-
-
-def _commit(pool, idx: torch.Tensor) -> None:
-    _launch_commit((idx.numel(),), dict(idx=idx, hcnt=pool.hcnt, NS=pool.num_slots, HV=pool.heads,
-                                        FIRST=1 if pool.convention == "vllm" else 0, L=pool.ring,
-                                        BH=triton.next_power_of_2(pool.heads)), compile_options(1, None))
+    flush_pool(pool, idx)
+    _prepared(pool, use_qk_l2norm, fma)((N, pool.heads), dynamic)
