@@ -30,7 +30,7 @@ from leapquant import reference as ref
 triton = pytest.importorskip("triton")
 
 from leapquant_triton.backend import TritonBackend  # noqa: E402
-from leapquant_triton.host import flush_pool  # noqa: E402
+from leapquant_triton.flush import flush_pool  # noqa: E402
 from leapquant_triton.step import step_pool  # noqa: E402
 
 from .test_triton_kernel import _fill_program, _randomise  # noqa: E402
