@@ -414,6 +414,20 @@ def _reset_ring(p_w, p_pc, p_g, o_k, o_l, m_l, K: tl.constexpr, BL: tl.constexpr
         tl.store(p_pc, 1.0)
 
 
+@triton.jit
+def _compress(b_s, p_c, p_skv, p_uq, p_w, p_pc, p_g, p_y, p_gram, p_cn, p_q16, p_qt, m_q, p_e, o_k, o_v, o_l, o_r, m_l,
+              m_r, K: tl.constexpr, V: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr,
+              ITERS: tl.constexpr, IS_KDA: tl.constexpr, BF16_DOTS: tl.constexpr):
+    """Steps 5-10 on the state ``b_s`` from fp16(Q0) at ``p_q16``: the new checkpoint stored, the ring reset."""
+    _subspace_iteration(b_s, p_y, p_gram, p_cn, p_q16, p_qt, m_q, V, R, BR, ITERS)
+    b_q16, b_ut16 = _new_factors(b_s, p_cn, p_qt, m_q)
+    b_s = _residual(b_s, b_q16, b_ut16)
+    b_s = _column_scales(b_s, p_skv, p_e, p_y, K, V, BF16_DOTS)
+    b_c, b_sv = _quantise(b_s)
+    _store_checkpoint(p_c, p_skv, p_uq, b_c, b_sv, b_ut16, b_q16, o_k, o_v, o_r, m_r, K, V)
+    _reset_ring(p_w, p_pc, p_g, o_k, o_l, m_l, K, BL, IS_KDA)
+
+
 # --- the flush --------------------------------------------------------------------------------------------------------
 
 
@@ -464,10 +478,5 @@ def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum,
     # nothing for an empty ring (both schedules): its w and pcum come from L1 after the rebuild's loads
     if not _ring_has_entries(p_w, p_pc, K, L, BL, IS_KDA):
         return
-    _subspace_iteration(b_s, p_y, p_gram, p_cn, p_q16, p_qt, m_q, V, R, BR, ITERS)
-    b_q16, b_ut16 = _new_factors(b_s, p_cn, p_qt, m_q)
-    b_s = _residual(b_s, b_q16, b_ut16)
-    b_s = _column_scales(b_s, p_skv, p_e, p_y, K, V, BF16_DOTS)
-    b_c, b_sv = _quantise(b_s)
-    _store_checkpoint(p_c, p_skv, p_uq, b_c, b_sv, b_ut16, b_q16, o_k, o_v, o_r, m_r, K, V)
-    _reset_ring(p_w, p_pc, p_g, o_k, o_l, m_l, K, BL, IS_KDA)
+    _compress(b_s, p_c, p_skv, p_uq, p_w, p_pc, p_g, p_y, p_gram, p_cn, p_q16, p_qt, m_q, p_e, o_k, o_v, o_l, o_r, m_l,
+              m_r, K, V, R, BL, BR, ITERS, IS_KDA, BF16_DOTS)

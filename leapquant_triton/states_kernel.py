@@ -16,19 +16,7 @@ import triton
 import triton.language as tl
 
 from .common_kernel import _pair_pointers
-from .flush_kernel import (
-    _column_scales,
-    _new_factors,
-    _q16_tile,
-    _quantise,
-    _ranges,
-    _rebuild,
-    _region_and_scratch,
-    _reset_ring,
-    _residual,
-    _store_checkpoint,
-    _subspace_iteration,
-)
+from .flush_kernel import _compress, _q16_tile, _ranges, _rebuild, _region_and_scratch
 
 
 @triton.jit
@@ -64,13 +52,8 @@ def load_states_kernel(slots, states, hcnt, codes, skv, uq, w, pcum, gbuf, q0, s
     # the subspace iteration starts from fp16(Q0) in scratch, as the flush's rebuild leaves it
     tl.store(p_qt, b_q0.to(tl.float16), mask=m_q)
     tl.debug_barrier()
-    _subspace_iteration(b_s, p_y, p_gram, p_cn, p_q16, p_qt, m_q, V, R, BR, ITERS)
-    b_q16, b_ut16 = _new_factors(b_s, p_cn, p_qt, m_q)
-    b_s = _residual(b_s, b_q16, b_ut16)
-    b_s = _column_scales(b_s, p_skv, p_e, p_y, K, V, BF16_DOTS)
-    b_c, b_sv = _quantise(b_s)
-    _store_checkpoint(p_c, p_skv, p_uq, b_c, b_sv, b_ut16, b_q16, o_k, o_v, o_r, m_r, K, V)
-    _reset_ring(p_w, p_pc, p_g, o_k, o_l, m_l, K, BL, IS_KDA)
+    _compress(b_s, p_c, p_skv, p_uq, p_w, p_pc, p_g, p_y, p_gram, p_cn, p_q16, p_qt, m_q, p_e, o_k, o_v, o_l, o_r, m_l,
+              m_r, K, V, R, BL, BR, ITERS, IS_KDA, BF16_DOTS)
     tl.store(hcnt + i_sh, 0)
 
 

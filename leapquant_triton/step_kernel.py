@@ -189,6 +189,41 @@ def _piece_columns(b_x1, b_x2, b_x3, b_x4, o_c, FIRST: tl.constexpr):
 
 
 @triton.jit
+def _row(idx, out, i_n, i_n64, i_hv, so_n, so_h):
+    """(row n's output pointer for head hv, its slot ``idx[n]`` as int64)."""
+    p_o = out + i_n64 * so_n + i_hv * so_h
+    i_s = tl.load(idx + i_n).to(tl.int64)
+    return p_o, i_s
+
+
+@triton.jit
+def _pair(i_s, i_hv, G, HV, SS, HS):
+    """(key head, ring row, first word of the checkpoint region) of the pair (slot, value head hv)."""
+    i_h = i_hv // G
+    i_sh = i_s * HV + i_hv  # int64: NS HV L K passes 2^31 at a few thousand slots
+    o_reg = i_s * SS + i_hv * HS
+    return i_h, i_sh, o_reg
+
+
+@triton.jit
+def _token(q, k, g, beta, hcnt, p_pc, p_w, p_gb, p_kb, i_n64, i_h, i_hv, i_sh, sq_n, sq_h, sk_n, sk_h, sg_n, sg_h,
+           sb_n, sb_h, o_k, o_l, K: tl.constexpr, L: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
+           NATIVE: tl.constexpr):
+    """What both step kernels take in before the checkpoint's products: the ring's count j and the entries in use,
+    the token's k, q and beta, the gate's values (:func:`_gate`) and the ring's key products (:func:`_ring_keys`)."""
+    j = tl.load(hcnt + i_sh)
+    j = tl.where(j >= L, 0, j)  # a full ring was flushed: it restarts at entry 0
+    m_old = o_l < j  # the entries in use; nothing at or past j is read
+    b_k = _load_key(k + i_n64 * sk_n + i_h * sk_h, USE_QK_L2NORM, K)
+    b_q = _load_key(q + i_n64 * sq_n + i_h * sq_h, USE_QK_L2NORM, K)
+    b_beta = tl.load(beta + i_n64 * sb_n + i_hv * sb_h).to(tl.float32)
+    b_pc, b_e, b_w, b_gn, b_gs = _gate(g + i_n64 * sg_n + i_hv * sg_h, p_pc, p_w, p_gb, j, o_k, o_l, m_old, K,
+                                       IS_KDA, NATIVE)
+    b_ck, b_cq = _ring_keys(p_kb, b_k, b_q, b_w, b_gs, o_k, o_l, m_old, K, IS_KDA)
+    return j, m_old, b_k, b_q, b_beta, b_pc, b_e, b_w, b_gn, b_gs, b_ck, b_cq
+
+
+@triton.jit
 def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, hcnt,
                           sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h, so_n, so_h, scale, NS, HV, G,
                           SS, HS, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
@@ -204,27 +239,18 @@ def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf
     i_n, i_hv = tl.program_id(0), tl.program_id(1)
     i_n64 = i_n.to(tl.int64)
     o_k, o_v, o_l, o_c = tl.arange(0, K), tl.arange(0, V), tl.arange(0, BL), tl.arange(0, 16)
-    p_o = out + i_n64 * so_n + i_hv * so_h
-    i_s = tl.load(idx + i_n).to(tl.int64)
+    p_o, i_s = _row(idx, out, i_n, i_n64, i_hv, so_n, so_h)
     if (i_s < FIRST) | (i_s >= NS):
         _store_out(p_o + o_v, tl.zeros([V], dtype=tl.float32), NATIVE)
         return
-    i_h = i_hv // G
-    i_sh = i_s * HV + i_hv  # int64: NS HV L K passes 2^31 at a few thousand slots
-    o_reg = i_s * SS + i_hv * HS
+    i_h, i_sh, o_reg = _pair(i_s, i_hv, G, HV, SS, HS)
     p_cd, p_skv, p_uq, p_kb, p_ub, p_w, p_pc, p_gb = _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf,
                                                                      o_reg, i_sh, K, V, L, IS_KDA)
     # the codes first: the largest load, and it depends on nothing but the slot
     b_cd = tl.load(p_cd)
-    j = tl.load(hcnt + i_sh)
-    j = tl.where(j >= L, 0, j)  # a full ring was flushed: it restarts at entry 0
-    m_old = o_l < j  # the entries in use; nothing at or past j is read
-    b_k = _load_key(k + i_n64 * sk_n + i_h * sk_h, USE_QK_L2NORM, K)
-    b_q = _load_key(q + i_n64 * sq_n + i_h * sq_h, USE_QK_L2NORM, K)
-    b_beta = tl.load(beta + i_n64 * sb_n + i_hv * sb_h).to(tl.float32)
-    b_pc, b_e, b_w, b_gn, b_gs = _gate(g + i_n64 * sg_n + i_hv * sg_h, p_pc, p_w, p_gb, j, o_k, o_l, m_old, K,
-                                       IS_KDA, NATIVE)
-    b_ck, b_cq = _ring_keys(p_kb, b_k, b_q, b_w, b_gs, o_k, o_l, m_old, K, IS_KDA)
+    j, m_old, b_k, b_q, b_beta, b_pc, b_e, b_w, b_gn, b_gs, b_ck, b_cq = _token(
+        q, k, g, beta, hcnt, p_pc, p_w, p_gb, p_kb, i_n64, i_h, i_hv, i_sh, sq_n, sq_h, sk_n, sk_h, sg_n, sg_h, sb_n,
+        sb_h, o_k, o_l, K, L, IS_KDA, USE_QK_L2NORM, NATIVE)
     # the old rank-R part: a_r = u_r . (x * decay)
     o_r = tl.arange(0, BR)
     b_u = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=(o_r < R)[:, None] & (o_k[None, :] < K),
@@ -279,36 +305,21 @@ def leapquant_step_fma_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, 
                               USE_QK_L2NORM: tl.constexpr, NATIVE: tl.constexpr):
     """:func:`leapquant_step_kernel` without tensor cores, for sm_75 (Triton cannot lower its int8 product there):
     fp32 elementwise products and sums over chunks of BV value channels, one chunk of the codes in registers at a
-    time. One token into the ring of (idx[n], hv) and ``out[n, hv] = scale S_t q``; grid (N, HV).
-
-    Token tensors (any float dtype; strides ``s*_n``, ``s*_h`` of their first two dims, unit last stride): q, k
-    [N, H, K] with H = HV / G; v [N, HV, V]; g [N, HV, K] (KDA) or [N, HV]; beta [N, HV]; out [N, HV, V]. Pool:
-    ``codes``, ``skv``, ``uq`` int8, fp32, fp16 views of ``raw``, region (s, hv) at word s SS + hv HS; the ring
-    rows kbuf [L, K], ubuf [L, V], w [L], pcum [K] or [1], gbuf [L, K] (KDA; GDN: any pointer), hcnt, at row
-    s HV + hv. A row whose slot is not real gets out = 0 and writes nothing else."""
+    time. The same arguments (but ``BV`` for ``BL``), grid and writes."""
     i_n, i_hv = tl.program_id(0), tl.program_id(1)
     i_n64 = i_n.to(tl.int64)
     o_k, o_v, o_l, o_r = tl.arange(0, K), tl.arange(0, V), tl.arange(0, L), tl.arange(0, BR)
-    p_o = out + i_n64 * so_n + i_hv * so_h
-    i_s = tl.load(idx + i_n).to(tl.int64)
+    p_o, i_s = _row(idx, out, i_n, i_n64, i_hv, so_n, so_h)
     if (i_s < FIRST) | (i_s >= NS):
         _store_out(p_o + o_v, tl.zeros([V], dtype=tl.float32), NATIVE)
         return
-    i_h = i_hv // G
-    i_sh = i_s * HV + i_hv  # int64: NS HV L K passes 2^31 at a few thousand slots
-    o_reg = i_s * SS + i_hv * HS
+    i_h, i_sh, o_reg = _pair(i_s, i_hv, G, HV, SS, HS)
     _, p_skv, p_uq, p_kb, p_ub, p_w, p_pc, p_gb = _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, o_reg,
                                                                  i_sh, K, V, L, IS_KDA)
     p_cd = codes + o_reg * 4 + tl.arange(0, BV)[:, None] * K + o_k[None, :]
-    j = tl.load(hcnt + i_sh)
-    j = tl.where(j >= L, 0, j)  # a full ring was flushed: it restarts at entry 0
-    m_old = o_l < j  # the entries in use; nothing at or past j is read
-    b_k = _load_key(k + i_n64 * sk_n + i_h * sk_h, USE_QK_L2NORM, K)
-    b_q = _load_key(q + i_n64 * sq_n + i_h * sq_h, USE_QK_L2NORM, K)
-    b_beta = tl.load(beta + i_n64 * sb_n + i_hv * sb_h).to(tl.float32)
-    b_pc, b_e, b_w, b_gn, b_gs = _gate(g + i_n64 * sg_n + i_hv * sg_h, p_pc, p_w, p_gb, j, o_k, o_l, m_old, K,
-                                       IS_KDA, NATIVE)
-    b_ck, b_cq = _ring_keys(p_kb, b_k, b_q, b_w, b_gs, o_k, o_l, m_old, K, IS_KDA)
+    j, m_old, b_k, b_q, b_beta, b_pc, b_e, b_w, b_gn, b_gs, b_ck, b_cq = _token(
+        q, k, g, beta, hcnt, p_pc, p_w, p_gb, p_kb, i_n64, i_h, i_hv, i_sh, sq_n, sq_h, sk_n, sk_h, sg_n, sg_h, sb_n,
+        sb_h, o_k, o_l, K, L, IS_KDA, USE_QK_L2NORM, NATIVE)
     # the old rank-R part: u_r . (x * decay)
     m_r = o_r < R
     b_u = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=m_r[:, None] & (o_k[None, :] < K),

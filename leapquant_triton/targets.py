@@ -20,7 +20,7 @@ from leapquant.backends import capability
 # compiles each one ahead of time and fails CI if it does not fit. Every target takes the ``mma.sync`` lowering
 # (mma_sync_only). Not claimed: sm_75, which has no bf16 tensor cores for the ring and column-sum products.
 SUPPORTED_CAPABILITIES = (80, 86, 89, 90, 100, 120)
-# The decode step's kernel takes no bf16 tensor cores on sm_75 (its FMA twin): it is built and checked there too.
+# The decode step has an FMA kernel for sm_75 (Triton cannot lower its products to tensor cores there): claimed too.
 STEP_CAPABILITIES = (75,) + SUPPORTED_CAPABILITIES
 # The oldest Triton release the kernels are built and checked with (pyproject's ``triton`` extra; CI tests every
 # release from it to the newest). On 3.4 the griddepcontrol helpers do not compile and ring 32 with ITERS 2 spills past
