@@ -106,9 +106,9 @@ class Report:
 
     def line(self) -> str:
         if self.error:
-            return f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<4} FAIL  {self.error}"
+            return f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<9} FAIL  {self.error}"
         flag = "ok  " if self.ok else "FAIL"
-        return (f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<4} {flag}  warps {self.num_warps:2d}  "
+        return (f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<9} {flag}  warps {self.num_warps:2d}  "
                 f"regs {self.regs:3d}/{MAX_REGS}  spill {self.spill_bytes:4d} B  "
                 f"smem {self.smem / 1024:6.1f}/{SMEM_LIMIT[self.arch] >> 10} KiB  {self.mma:<8}  "
                 f"({self.seconds:.1f} s)")
