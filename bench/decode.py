@@ -12,8 +12,7 @@ Cases (q, k, v bf16; g, beta fp32; o bf16):
 * ``step fill f``: ``leapquant.step`` with every ring holding ``f - 1`` entries, so the token lands at entry ``f - 1``
   and the step reads ``f - 1`` entries (f = 1, 8, 15; no ring full);
 * ``decode layer``: the steady state of a ring of L = 16: 1/16 of the heads' rings full (flushed inside the step),
-  the others spread evenly over fills 1..15; ``decode layer, 2 streams`` (Triton): the same with the full rings
-  flushed and stepped on a side stream while the others step (``leapquant_triton.step.STREAMS``);
+  the others spread evenly over fills 1..15;
 * ``fla fp32`` / ``fla bf16``: FLA's ``fused_recurrent_kda_fwd`` with the state updated in place in a slot pool of
   that dtype (``inplace_final_state``, ``ssm_state_indices``, ``state_v_first``), what engines run today.
 """
@@ -129,16 +128,6 @@ def run(device: torch.device, batch: int, heads: int, key_heads: int, gate: str,
     nbytes = int(sum(step_bytes(pool, int(f) % L, H, 2, 2) for f in fills.flatten()))
     nbytes += due * program_bytes(pool)["total"]  # the flushes inside
     timed("decode layer", step, restorer(fills), nbytes, due=due)
-    if device.type == "cuda" and leapquant.select(pool, backend, op="step").name == "triton":
-        import leapquant_triton.step as tstep
-
-        def two_streams(streams=2):
-            saved_streams, tstep.STREAMS = tstep.STREAMS, streams
-            try:
-                step()
-            finally:
-                tstep.STREAMS = saved_streams
-        timed("decode layer, 2 streams", two_streams, restorer(fills), nbytes, due=due)
     if with_fla:
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 

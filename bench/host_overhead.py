@@ -71,9 +71,9 @@ def _calls(pool, idx, backend: str) -> dict:
 
 def _bound(fn):
     """``fn`` with the Triton backend's launches bound by Triton on every call (the launcher's direct path off)."""
-    from leapquant_triton import host
+    from leapquant_triton import flush
 
-    launchers = (host._launch_flush, host._launch_due_list)
+    launchers = (flush._launch_flush, flush._launch_due_list)
 
     def call():
         saved = [la.direct for la in launchers]

@@ -1,9 +1,8 @@
-"""The Triton backend: availability and what it supports (the kernels: :mod:`.kernel`; their launch: :mod:`.host`)."""
+"""The Triton backend: availability and what it supports; each op's launch is in its host module (:mod:`.flush`,
+:mod:`.step`, :mod:`.states`), imported when first called so that importing the backend does not import Triton."""
 
 from __future__ import annotations
 
-import os
-import re
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,31 +10,10 @@ import torch
 from leapquant.backends import Backend, Requirements, capability
 from leapquant.constants import SUPPORTED_HEAD_DIMS, SUPPORTED_RANKS, SUPPORTED_RINGS
 
+from .targets import MIN_TRITON, SUPPORTED_CAPABILITIES, interpreting, triton_release
+
 if TYPE_CHECKING:
     from leapquant.pool import Pool
-
-# Compute capabilities the kernel is claimed for; ``python -m leapquant_triton.portability`` compiles each one ahead
-# of time and fails CI if it does not fit. Every target takes the ``mma.sync`` lowering (host.mma_sync_only). Not
-# claimed: sm_75, which has no bf16 tensor cores for the ring and column-sum products.
-SUPPORTED_CAPABILITIES = (80, 86, 89, 90, 100, 120)
-# The decode step's kernel (leapquant_triton.step) takes no tensor cores: it is built and checked for sm_75 too.
-STEP_CAPABILITIES = (75,) + SUPPORTED_CAPABILITIES
-# The oldest Triton release the kernel is built and checked with (pyproject's ``triton`` extra; CI tests every release
-# from it to the newest). On 3.4 the griddepcontrol helpers do not compile and ring 32 with ITERS 2 spills past the
-# limit; an older Triton makes ``available()`` say so, and ``auto`` passes the backend over rather than fail to compile.
-MIN_TRITON = (3, 5)
-
-
-def triton_release(version: str) -> tuple[int, int]:
-    """(major, minor) of a Triton version string such as ``"3.5.1"`` or ``"3.6.0+git1a2b3c4"``."""
-    m = re.match(r"(\d+)\.(\d+)", version)
-    if m is None:
-        raise ValueError(f"not a Triton version: {version!r}")
-    return int(m[1]), int(m[2])
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 class TritonBackend(Backend):
@@ -72,7 +50,7 @@ class TritonBackend(Backend):
             oldest = ".".join(map(str, MIN_TRITON))
             return False, (f"triton {triton.__version__} is older than {oldest}, the oldest release this backend is "
                            f"built and checked with; install triton>={oldest} with a torch that allows it")
-        if torch.cuda.is_available() or _interpreting():
+        if torch.cuda.is_available() or interpreting():
             return True, "ok"
         return False, ("no CUDA device; on a CPU the Triton backend runs through Triton's interpreter: set "
                        "TRITON_INTERPRET=1 before importing triton (correct, but about 15x slower than the reference)")
@@ -81,9 +59,9 @@ class TritonBackend(Backend):
         ok, why = self.available()
         if not ok:
             return ok, why
-        if pool.device.type == "cpu" and not _interpreting():
+        if pool.device.type == "cpu" and not interpreting():
             return False, "pool is on the CPU; the Triton backend runs there only with TRITON_INTERPRET=1 set"
-        if pool.device.type == "cuda" and _interpreting():
+        if pool.device.type == "cuda" and interpreting():
             return False, "TRITON_INTERPRET=1 is set: the interpreter cannot run on CUDA tensors at speed; unset it"
         if pool.device.type == "cuda" and capability(pool.device) < 80:
             return False, f"needs sm_80 or newer (bf16 tensor cores); this GPU is sm_{capability(pool.device)}"
@@ -92,7 +70,7 @@ class TritonBackend(Backend):
         return self.requirements.check(pool)
 
     def flush(self, pool: "Pool", idx: torch.Tensor) -> None:
-        from .host import flush_pool
+        from .flush import flush_pool
 
         flush_pool(pool, idx)
 

@@ -9,15 +9,21 @@ other arguments by value, the options, the launch-time knobs), so a kept kernel 
 the same binary, and no compile can happen on the direct path. Tensors go as their addresses, checked to be on the
 current device (Triton's launcher would ask the driver per pointer). :meth:`Launcher.prepare` takes the arguments that
 stay the same from launch to launch once. Under ``TRITON_INTERPRET=1`` every call goes through ``fn[grid]``.
+
+:func:`per_pool` keeps what the flush, step and states hosts prepare for a pool, for as long as the pool's memory
+lives and stays where it is.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import triton
+from torch.utils.weak import WeakIdKeyDictionary
+
+T = TypeVar("T")
 
 
 def _knob_state() -> tuple:
@@ -162,3 +168,24 @@ class Prepared:
         if len(dynamic) != len(self.dynamic):
             raise TypeError(f"{la.name}: dynamic arguments {self.dynamic}, got {tuple(dynamic)}")
         la._launch(self.kernels, tuple(parts), grid, values, self.static, dynamic, self.options)
+
+
+# per pool memory, keyed weakly by the pool's raw tensor (what is kept goes with it):
+# {key: (the tensors' (address, dtype)s, what make() returned)}
+_PER_POOL = WeakIdKeyDictionary()
+
+
+def per_pool(raw: torch.Tensor, key: tuple, tensors, make: Callable[[], T]) -> T:
+    """What ``make()`` returns for ``key`` (its first element the op, e.g. ``"flush"``) and the pool over ``raw``,
+    made once and kept while ``tensors`` (the pool's tensors that ``make`` binds, None allowed) keep their addresses
+    and dtypes: made again when one moved. Keyed by the memory, not the pool object, so a pool made afresh over the
+    same tensors, such as the custom op's, finds it; what is kept holds the tensors, so their memory cannot go to
+    another pool meanwhile."""
+    memory = [None if t is None else (t.data_ptr(), t.dtype) for t in tensors]
+    kept = _PER_POOL.get(raw)
+    if kept is None:
+        kept = _PER_POOL[raw] = {}
+    entry = kept.get(key)
+    if entry is None or entry[0] != memory:
+        entry = kept[key] = (memory, make())
+    return entry[1]

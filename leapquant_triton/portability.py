@@ -1,14 +1,15 @@
-"""Ahead-of-time compile check of the flush and step kernels for every CUDA architecture the Triton backend claims, no
-GPU needed: ``python -m leapquant_triton.portability [--arch 80,90] [--quick]``.
+"""Ahead-of-time compile check of the flush, step and states kernels for every CUDA architecture the Triton backend
+claims, no GPU needed: ``python -m leapquant_triton.portability [--arch 80,90] [--quick] [--ops flush,step,states]``.
 
 For each (architecture, shape) it runs Triton's own pipeline down to a cubin with ``triton.compile(ASTSource(...),
 target=GPUTarget("cuda", cc, 32))``, then reads the resource use back from ``ptxas -v`` (Triton's bundled ptxas, the
 same flags Triton uses) and compares it with the architecture's limits. It exits non-zero when a claimed target does
 not compile, does not fit (255 registers per thread, the shared memory per block of that architecture, no spills
 beyond :data:`MAX_SPILL_BYTES`), or does not take the tensor-core lowering it must: ``mma.sync`` for the flush's
-``tl.dot`` (the backend forces it), none for the step (:func:`mma_family` of the PTX). The flush's builds (``grid``,
-``list``) are claimed on :data:`.backend.SUPPORTED_CAPABILITIES`, the step's (``step``) on
-:data:`.backend.STEP_CAPABILITIES`, sm_75 included; targets not claimed are compiled and reported but cannot fail.
+``tl.dot`` and the states kernels' (the backend forces it), ``mma.sync`` or none for the step (:func:`mma_family` of
+the PTX). The flush's builds (``grid``, ``list``) and the states builds (``load``, ``states``; ``-kv``: FLA's
+``[K, V]`` state layout) are claimed on :data:`.targets.SUPPORTED_CAPABILITIES`, the step's (``step``) on
+:data:`.targets.STEP_CAPABILITIES`, sm_75 included; targets not claimed are compiled and reported but cannot fail.
 """
 
 from __future__ import annotations
@@ -24,16 +25,18 @@ from dataclasses import dataclass
 
 from leapquant.geometry import Geometry
 
-from .backend import STEP_CAPABILITIES, SUPPORTED_CAPABILITIES
-from .host import SCHEDULES, compile_options, kernel_constants, maxnreg_for, mma_sync_only, num_warps_for
-from .kernel import leapquant_flush_kernel
+from .flush import SCHEDULES, kernel_constants
+from .flush_kernel import leapquant_flush_kernel
+from .states import KERNELS as STATES_KERNELS
+from .states import states_constants
 from .step import step_build
+from .targets import STEP_CAPABILITIES, SUPPORTED_CAPABILITIES, compile_options, mma_sync_only, warps_and_cap
 
 # shared memory per block (opt-in maximum), bytes, from the CUDA programming guide's table of compute capabilities
 SMEM_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
 MAX_REGS = 255
 # spills go to local memory (L1-resident at these sizes): a speed cost, tolerated up to this much, since the 8-warp
-# programs are capped at 128 registers for two programs per SM (host.maxnreg_for)
+# programs are capped at 128 registers for two programs per SM (targets.maxnreg_for)
 MAX_SPILL_BYTES = 2048
 ARCHS = tuple(SMEM_LIMIT)
 
@@ -49,8 +52,14 @@ _STEP_POINTERS = {
     "codes": "*i8", "skv": "*fp32", "uq": "*fp16", "kbuf": "*bf16", "ubuf": "*bf16", "w": "*fp32", "pcum": "*fp32",
     "gbuf": "*fp16", "hcnt": "*i32",
 }
+# the states kernels' pointers beyond the flush's (the caller's states, in and out)
+_STATES_POINTERS = dict(_POINTERS, slots="*i32", states="*fp32", out="*fp32")
 # what the step's builds are named in the reports, beside the flush's SCHEDULES
 STEP = "step"
+# the states builds: each kernel with the V-first state and (-kv) FLA's [K, V] one
+STATES = tuple(f"{which}{lay}" for which in STATES_KERNELS for lay in ("", "-kv"))
+# the builds of each op, as --ops selects them
+OPS = {"flush": SCHEDULES, "step": (STEP,), "states": STATES}
 
 
 @dataclass
@@ -93,13 +102,13 @@ class Report:
     seconds: float = 0.0
     error: str = ""
     mma: str = ""  # the tensor-core instructions of the PTX (mma_family)
-    prefetches: int = 0  # bulk L2 prefetches in the PTX (the list build on sm_90 and later: host.prefetch_ahead)
+    prefetches: int = 0  # bulk L2 prefetches in the PTX (the list build on sm_90 and later: flush.prefetch_ahead)
 
     def line(self) -> str:
         if self.error:
-            return f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<4} FAIL  {self.error}"
+            return f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<9} FAIL  {self.error}"
         flag = "ok  " if self.ok else "FAIL"
-        return (f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<4} {flag}  warps {self.num_warps:2d}  "
+        return (f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<9} {flag}  warps {self.num_warps:2d}  "
                 f"regs {self.regs:3d}/{MAX_REGS}  spill {self.spill_bytes:4d} B  "
                 f"smem {self.smem / 1024:6.1f}/{SMEM_LIMIT[self.arch] >> 10} KiB  {self.mma:<8}  "
                 f"({self.seconds:.1f} s)")
@@ -141,27 +150,36 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
     return regs, spills, int(m.group(1)) if m else 0
 
 
+def _geometry(shape: Shape) -> Geometry:
+    return Geometry(2, 32, shape.head_k, shape.head_v, shape.ring, shape.rank, shape.gate)
+
+
+# the builds are checked for vLLM's slot convention (real slots from 1), the engines' default
+FIRST_SLOT = 1
+
+
 def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | None = None,
                 maxnreg: int | None = None) -> Report:
     """Compile the flush kernel as one of its schedules launches it (``kernel``: ``"grid"`` or ``"list"``, the
-    ``LIST`` switch of :func:`leapquant_flush_kernel`), or the step kernel (``kernel="step"``:
-    :func:`compile_step`), for ``sm_<arch>`` at ``shape`` and check it against the architecture's limits."""
+    ``LIST`` switch of :func:`leapquant_flush_kernel`), the step kernel (``kernel="step"``: :func:`compile_step`) or
+    a states kernel (``kernel`` in :data:`STATES`: :func:`compile_states`), for ``sm_<arch>`` at ``shape`` and check
+    it against the architecture's limits."""
     if kernel == STEP:
         return compile_step(arch, shape, num_warps)
+    if kernel in STATES:
+        return compile_states(arch, shape, kernel.removesuffix("-kv"), not kernel.endswith("-kv"))
     if kernel not in SCHEDULES:
-        raise ValueError(f"kernel must be one of {SCHEDULES + (STEP,)}, not {kernel!r}")
-    geo = Geometry(2, 32, shape.head_k, shape.head_v, shape.ring, shape.rank, shape.gate)
-    nw = num_warps or num_warps_for(shape.head_k, shape.head_v)
-    maxnreg = maxnreg if maxnreg is not None else maxnreg_for(nw)  # the backend's launch
+        raise ValueError(f"kernel must be one of {SCHEDULES + (STEP,) + STATES}, not {kernel!r}")
+    nw, maxnreg = warps_and_cap(shape.head_k, shape.head_v, num_warps, maxnreg)  # the backend's launch
     # as flush_pool launches it (griddepcontrol and the bulk L2 prefetch need sm_90; the prefetch distance, two
     # programs per SM of the GPU at hand, only moves a constant: the H200's is taken)
     sm90_list = kernel == "list" and arch >= 90
-    constexprs = dict(kernel_constants(geo, "vllm", shape.iters), LIST=kernel == "list", PDL=sm90_list,
-                      AHEAD=264 if sm90_list else 0)
+    constexprs = dict(kernel_constants(_geometry(shape), FIRST_SLOT, shape.iters), LIST=kernel == "list",
+                      PDL=sm90_list, AHEAD=264 if sm90_list else 0)
     signature = dict(_POINTERS, NS="i32", HV="i32", SS="i32", HS="i32", **{k: "constexpr" for k in constexprs})
     rep = _build(leapquant_flush_kernel, signature, constexprs, _POINTERS, arch, compile_options(nw, maxnreg),
                  Report(arch, shape, kernel, nw, ok=False))
-    # every claimed build must take the mma.sync lowering (host.mma_sync_only): a Triton release that stops
+    # every claimed build must take the mma.sync lowering (targets.mma_sync_only): a Triton release that stops
     # honouring the switch would hand the H200 the wgmma build that miscompiles this kernel
     rep.ok = rep.ok and rep.mma == "mma.sync"
     return rep
@@ -169,11 +187,10 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
 
 def compile_step(arch: int, shape: Shape, num_warps: int | None = None) -> Report:
     """Compile the step kernel (q / k l2-normalised: the larger build) as :func:`.step.step_pool` launches it for
-    ``sm_<arch>`` at ``shape`` (:func:`.step.step_build`): from sm_80 :func:`.step.leapquant_step_kernel`, its int8
-    and bf16 products as ``mma.sync``; on sm_75 :func:`.step.leapquant_step_fma_kernel`, no tensor cores. Never wgmma
-    or tcgen05."""
-    geo = Geometry(2, 32, shape.head_k, shape.head_v, shape.ring, shape.rank, shape.gate)
-    kernel, constexprs, options = step_build(geo, "vllm", True, arch)
+    ``sm_<arch>`` at ``shape`` (:func:`.step.step_build`): from sm_80 :func:`.step_kernel.leapquant_step_kernel`, its
+    int8 and bf16 products as ``mma.sync``; on sm_75 :func:`.step_kernel.leapquant_step_fma_kernel`, no tensor cores.
+    Never wgmma or tcgen05."""
+    kernel, constexprs, options = step_build(_geometry(shape), FIRST_SLOT, True, arch)
     constexprs["NATIVE"] = True
     if num_warps:
         options["num_warps"] = num_warps
@@ -184,6 +201,24 @@ def compile_step(arch: int, shape: Shape, num_warps: int | None = None) -> Repor
     rep = _build(kernel, signature, constexprs, _STEP_POINTERS, arch, options,
                  Report(arch, shape, STEP, options["num_warps"], ok=False))
     rep.ok = rep.ok and rep.mma == ("none" if arch < 80 else "mma.sync")
+    return rep
+
+
+def compile_states(arch: int, shape: Shape, which: str, state_v_first: bool = True) -> Report:
+    """Compile ``which`` (``"load"`` or ``"states"``) as :func:`.states.load_states_pool` /
+    :func:`.states.states_pool` launch it for ``sm_<arch>`` at ``shape``, the state's unit stride specialised as
+    Triton does for a dense tensor of that layout, and check it as the flush's builds are checked (registers, spills,
+    shared memory, ``mma.sync``)."""
+    fn = STATES_KERNELS[which]
+    constexprs = dict(states_constants(_geometry(shape), shape.iters, which), BF16_DOTS=True,
+                      **{"s_k" if state_v_first else "s_v": 1})
+    pointers = {k: v for k, v in _STATES_POINTERS.items() if k in fn.arg_names}
+    signature = {a: pointers.get(a) or ("constexpr" if a in constexprs else "i32") for a in fn.arg_names}
+    nw, cap = warps_and_cap(shape.head_k, shape.head_v)
+    name = f"{which}{'' if state_v_first else '-kv'}"
+    rep = _build(fn, signature, constexprs, pointers, arch, compile_options(nw, cap),
+                 Report(arch, shape, name, nw, ok=False))
+    rep.ok = rep.ok and rep.mma == "mma.sync"
     return rep
 
 
@@ -221,11 +256,11 @@ def claimed(rep: Report) -> bool:
     return rep.arch in (STEP_CAPABILITIES if rep.kernel == STEP else SUPPORTED_CAPABILITIES)
 
 
-def check(archs=ARCHS, shapes=SHAPES, out=sys.stdout) -> list[Report]:
+def check(archs=ARCHS, shapes=SHAPES, out=sys.stdout, ops=tuple(OPS)) -> list[Report]:
     reports = []
     for arch in archs:
         for shape in shapes:
-            for kernel in SCHEDULES + (STEP,):  # the build each schedule of flush_pool launches, and the step's
+            for kernel in (k for op in ops for k in OPS[op]):
                 rep = compile_one(arch, shape, kernel)
                 print(rep.line() + ("" if claimed(rep) else "  (not claimed)"), file=out, flush=True)
                 reports.append(rep)
@@ -233,15 +268,20 @@ def check(archs=ARCHS, shapes=SHAPES, out=sys.stdout) -> list[Report]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m leapquant_triton.portability",
+                                 description="ahead-of-time compile check of the Triton backend's kernels")
     ap.add_argument("--arch", default=",".join(map(str, ARCHS)), help="comma-separated compute capabilities")
     ap.add_argument("--quick", action="store_true", help="only the default 128x128 KDA shape and 64x64 KDA")
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma-separated ops to check ({', '.join(OPS)})")
     a = ap.parse_args(argv)
     archs = [int(x) for x in a.arch.split(",") if x]
     unknown = [x for x in archs if x not in SMEM_LIMIT]
     if unknown:
         ap.error(f"unknown architectures {unknown}; known: {list(SMEM_LIMIT)}")
-    reports = check(archs, QUICK_SHAPES if a.quick else SHAPES)
+    ops = [x for x in a.ops.split(",") if x]
+    if not ops or any(x not in OPS for x in ops):
+        ap.error(f"--ops takes {', '.join(OPS)}, not {a.ops!r}")
+    reports = check(archs, QUICK_SHAPES if a.quick else SHAPES, ops=ops)
     bad = [r for r in reports if claimed(r) and not r.ok]
     if bad:
         print(f"{len(bad)} claimed target(s) do not fit:", file=sys.stderr)

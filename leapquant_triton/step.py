@@ -1,483 +1,79 @@
-"""The LeapQuant decode step (docs/SPEC.md §6) as a Triton kernel, and :func:`step_pool`, its launch after the flush
-of the full rings.
-
-One program per (row n of ``idx``, value head hv), grid ``(N, HV)``; value head hv reads key head
-``hv // (HV / H)``. It reads the checkpoint region once and never forms the state. Both keys it serves, ``k`` (the
-prediction ``p = S' k``) and ``q`` (the output ``o = scale S_t q``), go through one [V, 16] accumulator on the tensor
-cores, columns 0-7 for k and 8-15 for q:
-
-    b_cd          [V, K]   the int8 codes, as they are stored
-    b_xs          [K, 16]  s_k * key * the checkpoint's decay as four int8 pieces per key (27 bits, exact products:
-                           int8 x int8 -> int32), columns 0-3 and 8-11; scaled back per column
-    b_acc         [V, 16]  (s_v / QMAX) (C x) per piece, + q_r a_r (the old rank-R part, a_r = u_r . (key * decay))
-                           + ubuf^T [V, BL] x the bf16 pieces of c_k, c_q [BL, 16] (the ring: three pieces, exact)
-    b_ck, b_cq    [BL]     w_i (kd_i . k), w_i (kd_i . q) for the entries i < j, kd_i the ring key times its decay
-                           d_i (KDA: the suffix product of the shifted gates, SPEC §6 step 2)
-
-so ``p`` and ``S_t q`` are the sums of the accumulator's two column halves: every product is exact and only the sums
-round (fp32, tensor-core order). int8 mma exists from sm_75 on; Triton lowers the bf16 product for sm_75 (no bf16
-tensor cores) to FMAs. Only the entries i < j of the ring are loaded (masked, zero or one where not), so whatever the
-others hold, NaN included, is never read. A program writes only its own ring row (entry j of kbuf, ubuf, gbuf; w;
-pcum; hcnt) and its row of ``out``: splitting V over programs would race on those. Within the program, the values
-it reads and then overwrites (pcum, w, hcnt) are stored after a barrier: their small blocks are replicated over the
-warps, and a warp that stored early would change what a later one reads.
-"""
+"""The host side of the Triton decode step: the builds of :mod:`.step_kernel` and :func:`step_pool`, which flushes the
+full rings of ``idx`` (:func:`.flush.flush_pool`) and then launches the step."""
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra import libdevice
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .backend import _interpreting
-from .host import compile_options, flush_pool, mma_sync_only
-from .kernel import PNMIN, QMAX, _pair_pointers
-from .launcher import Launcher
+from .flush import flush_pool
+from .launcher import Launcher, per_pool
+from .step_kernel import leapquant_step_fma_kernel, leapquant_step_kernel
+from .targets import compile_options, device_capability, interpreting, mma_sync_only
 
-# FLA's use_qk_l2norm_in_kernel: x / sqrt(sum x^2 + L2NORM_EPS)
-L2NORM_EPS = tl.constexpr(1e-6)
-# r + 1.5 x 2^23 rounds r to an integer (half to even) in its low bits: |r| < 2^22
-ROUNDER = tl.constexpr(12582912.0)
-ROUNDER_BITS = tl.constexpr(0x4B400000)
-# two warps capped at 128 registers: eight programs per SM. On an H200 (256 x 32 KDA heads, fill 8) that took
-# 163 us against 229 us for 4 warps uncapped (3-4 per SM), 187 us for 4 warps at 80 registers; docs/DESIGN.md
+# two warps capped at 128 registers: eight programs per SM, faster than fewer, wider programs (docs/DESIGN.md)
 NUM_WARPS = 2
 MAXNREG = 128
-# sm_75's kernel: one chunk of codes is BV x K = FMA_CHUNK values, 32 fp32 registers per thread at 4 warps (on an
-# H200 the fastest of that design: 8192 values 1.3-1.5x as long, 8 warps 2.7-3x)
+# sm_75's kernel: BV x K = FMA_CHUNK codes in registers at a time, 32 fp32 registers per thread at FMA_WARPS warps,
+# the fastest build of that kernel (docs/DESIGN.md)
 FMA_CHUNK = 4096
 FMA_WARPS = 4
-# step_pool's default: 1, the flush of the full rings and then the step; 2, the two-stream split (docs/DESIGN.md)
-STREAMS = 1
-
-
-@triton.jit
-def _exp(b_x, NATIVE: tl.constexpr):
-    """exp as torch's CUDA kernel computes it (libdevice's expf, so the gates it stores match bit for bit); the
-    interpreter has no libdevice."""
-    if NATIVE:
-        return libdevice.exp(b_x)
-    else:
-        return tl.exp(b_x)
-
-
-@triton.jit
-def _bf16(b_x, NATIVE: tl.constexpr):
-    """fp32 to bf16 rounded to nearest even (the interpreter's conversion truncates: there, by the bits)."""
-    if NATIVE:
-        return b_x.to(tl.bfloat16)
-    else:
-        b_b = b_x.to(tl.uint32, bitcast=True)
-        b_b = (b_b + 0x7FFF + ((b_b >> 16) & 1)) >> 16
-        return b_b.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _store_out(p, b_x, NATIVE: tl.constexpr):
-    """``b_x`` (fp32) stored in the dtype of ``p``, rounded to nearest even."""
-    if p.dtype.element_ty == tl.bfloat16:
-        tl.store(p, _bf16(b_x, NATIVE))
-    else:
-        tl.store(p, b_x.to(p.dtype.element_ty))
-
-
-@triton.jit
-def _load_key(p, USE_QK_L2NORM: tl.constexpr, K: tl.constexpr):
-    """A [K] key in fp32, l2-normalised with correctly rounded sqrt and division (what kbuf stores is its bf16)."""
-    b_x = tl.load(p + tl.arange(0, K)).to(tl.float32)
-    if USE_QK_L2NORM:
-        b_x = tl.math.div_rn(b_x, tl.sqrt_rn(tl.sum(b_x * b_x, axis=0) + L2NORM_EPS))
-    return b_x
-
-
-@triton.jit
-def _gate(p_g, p_pc, p_w, p_gb, j, o_k, o_l, m_old, K: tl.constexpr, IS_KDA: tl.constexpr, NATIVE: tl.constexpr):
-    """SPEC §6 step 1, not stored yet: (the new pcum, the checkpoint's decay [K] (KDA exp(pcum); GDN
-    max(pcum, PNMIN)), the ring's weights w [L] (GDN: times a; zero from j on), (KDA) fp16(exp g) [K] and the shifted
-    gates ``gbuf[i + 1]`` [L, K] (the new one at row j - 1, one from there on); GDN: placeholders)."""
-    b_w = tl.load(p_w + o_l, mask=m_old, other=0.0)
-    if IS_KDA:
-        b_g = tl.load(p_g + o_k).to(tl.float32)
-        b_pc = tl.load(p_pc + o_k) + b_g
-        b_gn = _exp(b_g, NATIVE).to(tl.float16)
-        # row i holds gbuf[i + 1], the factor entry i takes from the entry after it
-        m_next = (o_l + 1 < j)[:, None] & (o_k[None, :] < K)
-        b_gs = tl.load(p_gb + (o_l[:, None] + 1) * K + o_k[None, :], mask=m_next, other=1.0).to(tl.float32)
-        b_gs = tl.where((o_l + 1 == j)[:, None], b_gn.to(tl.float32)[None, :], b_gs)
-        return b_pc, _exp(b_pc, NATIVE), b_w, b_gn, b_gs
-    else:
-        b_a = _exp(tl.load(p_g).to(tl.float32), NATIVE)
-        b_pc = tl.load(p_pc) * b_a
-        return b_pc, tl.maximum(b_pc, PNMIN), b_w * b_a, b_a, b_a
-
-
-@triton.jit
-def _ring_keys(p_kb, b_k, b_q, b_w, b_gs, o_k, o_l, m_old, K: tl.constexpr, IS_KDA: tl.constexpr):
-    """(w_i (kd_i . k), w_i (kd_i . q)) [BL] for the entries i < j (zero elsewhere), ``kd_i = kbuf[i] * d_i`` with
-    ``d_i = prod_{i < m <= j} gbuf[m]`` (KDA; the suffix product of the shifted gates)."""
-    b_kd = tl.load(p_kb + o_l[:, None] * K + o_k[None, :], mask=m_old[:, None] & (o_k[None, :] < K),
-                   other=0.0).to(tl.float32)
-    if IS_KDA:
-        b_kd = b_kd * tl.cumprod(b_gs, axis=0, reverse=True)
-    return b_w * tl.sum(b_kd * b_k[None, :], axis=1), b_w * tl.sum(b_kd * b_q[None, :], axis=1)
-
-
-@triton.jit
-def _bf16_pieces(b_x, NATIVE: tl.constexpr):
-    """Three bf16 values (as fp32) whose sum is ``b_x`` exactly: 8 + 8 + 8 bits of its 24."""
-    b_1 = _bf16(b_x, NATIVE).to(tl.float32)
-    b_r = b_x - b_1
-    b_2 = _bf16(b_r, NATIVE).to(tl.float32)
-    return b_1, b_2, _bf16(b_r - b_2, NATIVE).to(tl.float32)
-
-
-@triton.jit
-def _piece_rows(b_a, b_b, o_c, NATIVE: tl.constexpr):
-    """[E, 16]: the bf16 pieces of ``a`` [E] in columns 0-2 and of ``b`` in columns 8-10, zero elsewhere."""
-    b_a1, b_a2, b_a3 = _bf16_pieces(b_a, NATIVE)
-    b_b1, b_b2, b_b3 = _bf16_pieces(b_b, NATIVE)
-    c = o_c[None, :]
-    b_t = tl.where(c == 0, b_a1[:, None], 0.0)
-    b_t = tl.where(c == 1, b_a2[:, None], b_t)
-    b_t = tl.where(c == 2, b_a3[:, None], b_t)
-    b_t = tl.where(c == 8, b_b1[:, None], b_t)
-    b_t = tl.where(c == 9, b_b2[:, None], b_t)
-    return tl.where(c == 10, b_b3[:, None], b_t)
-
-
-@triton.jit
-def _store_ring_row(p_pc, p_w, p_gb, p_kb, p_h, b_pc, b_w, b_gn, b_kj, b_beta, j, o_k, o_l, K: tl.constexpr,
-                    IS_KDA: tl.constexpr, WRITE_HCNT: tl.constexpr = True):
-    """The ring row's new values (SPEC §6 steps 1 and 4): pcum; w (GDN: every i < j decayed) with w[j] = beta; KDA
-    gbuf[j]; kbuf[j]; hcnt = j + 1. An invalid negative count writes no entry, as the reference (the masks are
-    selects: see kernel.due_list_kernel)."""
-    m_new = tl.where(j >= 0, o_k < K, False)
-    if IS_KDA:
-        tl.store(p_pc + o_k, b_pc)
-        tl.store(p_gb + j * K + o_k, b_gn, mask=m_new)
-        tl.store(p_w + o_l, tl.zeros_like(b_w) + b_beta, mask=o_l == j)
-    else:
-        tl.store(p_pc, b_pc)
-        tl.store(p_w + o_l, tl.where(o_l == j, b_beta, b_w), mask=o_l <= j)
-    tl.store(p_kb + j * K + o_k, b_kj, mask=m_new)
-    if WRITE_HCNT:
-        tl.store(p_h, j + 1)
-
-
-@triton.jit
-def _pow2(b_e):
-    """2^e as fp32 from its exponent bits, for integer e in [-126, 127]."""
-    return ((b_e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _int8_pieces(b_x):
-    """``x`` [K] fp32 as four int8 pieces x1..x4 and an exponent t: ``x ~ 2^-t (x1 + x2 / 128 + x3 / 128^2 +
-    x4 / 128^3)``, error at most 2^-28 max|x| (27 bits, more than fp32's 24, where max|x| is normal). Scaled so that
-    max|x| lies in [32, 64): every piece lies in [-64, 64]. 2^t goes as two factors 2^t1 2^t2, each within fp32's
-    normal range whatever max|x| (2^-149 .. 2^128). Each round takes round-half-even(r) from r + 1.5 x 2^23 (exact
-    for |r| < 2^22), in the kernel and the interpreter alike."""
-    b_m = tl.max(tl.abs(b_x), axis=0)
-    b_t = 5 - (((b_m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127)
-    b_t = tl.where(b_m > 0, b_t, 0)
-    b_t1 = b_t >> 1
-    b_t2 = b_t - b_t1
-    b_r = (b_x * _pow2(b_t1)) * _pow2(b_t2)
-    b_r1 = b_r + ROUNDER
-    b_x1 = b_r1.to(tl.int32, bitcast=True) - ROUNDER_BITS
-    b_r = (b_r - (b_r1 - ROUNDER)) * 128.0
-    b_r1 = b_r + ROUNDER
-    b_x2 = b_r1.to(tl.int32, bitcast=True) - ROUNDER_BITS
-    b_r = (b_r - (b_r1 - ROUNDER)) * 128.0
-    b_r1 = b_r + ROUNDER
-    b_x3 = b_r1.to(tl.int32, bitcast=True) - ROUNDER_BITS
-    b_r = (b_r - (b_r1 - ROUNDER)) * 128.0
-    b_x4 = (b_r + ROUNDER).to(tl.int32, bitcast=True) - ROUNDER_BITS
-    return b_x1, b_x2, b_x3, b_x4, b_t1, b_t2
-
-
-@triton.jit
-def _piece_columns(b_x1, b_x2, b_x3, b_x4, o_c, FIRST: tl.constexpr):
-    """The four pieces as columns FIRST .. FIRST + 3 of a [K, 16] int32 tile (zero elsewhere)."""
-    b_p = tl.where(o_c[None, :] == FIRST, b_x1[:, None], 0)
-    b_p = tl.where(o_c[None, :] == FIRST + 1, b_x2[:, None], b_p)
-    b_p = tl.where(o_c[None, :] == FIRST + 2, b_x3[:, None], b_p)
-    return tl.where(o_c[None, :] == FIRST + 3, b_x4[:, None], b_p)
-
-
-@triton.jit
-def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, hcnt,
-                          sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h, so_n, so_h, scale, NS, HV, G,
-                          SS, HS, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-                          R: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-                          NATIVE: tl.constexpr, DUE: tl.constexpr):
-    """One token into the ring of (idx[n], hv) and ``out[n, hv] = scale S_t q``; grid (N, HV).
-
-    Token tensors (any float dtype; strides ``s*_n``, ``s*_h`` of their first two dims, unit last stride): q, k
-    [N, H, K] with H = HV / G; v [N, HV, V]; g [N, HV, K] (KDA) or [N, HV]; beta [N, HV]; out [N, HV, V]. Pool:
-    ``codes``, ``skv``, ``uq`` int8, fp32, fp16 views of ``raw``, region (s, hv) at word s SS + hv HS; the ring
-    rows kbuf [L, K], ubuf [L, V], w [L], pcum [K] or [1], gbuf [L, K] (KDA; GDN: any pointer), hcnt, at row
-    s HV + hv. A row whose slot is not real gets out = 0 and writes nothing else.
-
-    ``DUE`` 0: every pair. The split of :func:`step_pool`'s two streams, which leaves ``hcnt`` to
-    :func:`step_commit_kernel` so that the due test reads the same counts throughout: 1, the pairs whose ring is not
-    full; 2, the full ones (after their flush), padding rows left to mode 1."""
-    i_n, i_hv = tl.program_id(0), tl.program_id(1)
-    i_n64 = i_n.to(tl.int64)
-    o_k, o_v, o_l, o_c = tl.arange(0, K), tl.arange(0, V), tl.arange(0, BL), tl.arange(0, 16)
-    p_o = out + i_n64 * so_n + i_hv * so_h
-    i_s = tl.load(idx + i_n).to(tl.int64)
-    if (i_s < FIRST) | (i_s >= NS):
-        if DUE != 2:
-            _store_out(p_o + o_v, tl.zeros([V], dtype=tl.float32), NATIVE)
-        return
-    i_h = i_hv // G
-    i_sh = i_s * HV + i_hv  # int64: NS HV L K passes 2^31 at a few thousand slots
-    o_reg = i_s * SS + i_hv * HS
-    p_cd, p_skv, p_uq, p_kb, p_ub, p_w, p_pc, p_gb = _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf,
-                                                                     o_reg, i_sh, K, V, L, IS_KDA)
-    # the codes first: the largest load, and it depends on nothing but the slot (mode 2: most pairs leave)
-    if DUE != 2:
-        b_cd = tl.load(p_cd)
-    j = tl.load(hcnt + i_sh)
-    if DUE == 1:
-        if j >= L:
-            return
-    if DUE == 2:
-        if j < L:
-            return
-        b_cd = tl.load(p_cd)
-    j = tl.where(j >= L, 0, j)  # a full ring was flushed: it restarts at entry 0
-    m_old = o_l < j  # the entries in use; nothing at or past j is read
-    b_k = _load_key(k + i_n64 * sk_n + i_h * sk_h, USE_QK_L2NORM, K)
-    b_q = _load_key(q + i_n64 * sq_n + i_h * sq_h, USE_QK_L2NORM, K)
-    b_beta = tl.load(beta + i_n64 * sb_n + i_hv * sb_h).to(tl.float32)
-    b_pc, b_e, b_w, b_gn, b_gs = _gate(g + i_n64 * sg_n + i_hv * sg_h, p_pc, p_w, p_gb, j, o_k, o_l, m_old, K,
-                                       IS_KDA, NATIVE)
-    b_ck, b_cq = _ring_keys(p_kb, b_k, b_q, b_w, b_gs, o_k, o_l, m_old, K, IS_KDA)
-    # the old rank-R part: a_r = u_r . (x * decay)
-    o_r = tl.arange(0, BR)
-    b_u = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=(o_r < R)[:, None] & (o_k[None, :] < K),
-                  other=0.0).to(tl.float32)
-    b_ak = tl.sum(b_u * (b_k * b_e)[None, :], axis=1)
-    b_aq = tl.sum(b_u * (b_q * b_e)[None, :], axis=1)
-    # Dq x = (s_v / QMAX) * (C (s_k * x * decay)) for x = k and q at once: C times the keys' int8 pieces on the
-    # tensor cores, integer products and sums (exact), columns 0-3 for k, 8-11 for q
-    b_sk = tl.load(p_skv + o_k)
-    b_k1, b_k2, b_k3, b_k4, b_tk1, b_tk2 = _int8_pieces(b_k * b_e * b_sk)
-    b_q1, b_q2, b_q3, b_q4, b_tq1, b_tq2 = _int8_pieces(b_q * b_e * b_sk)
-    b_xs = _piece_columns(b_k1, b_k2, b_k3, b_k4, o_c, 0) + _piece_columns(b_q1, b_q2, b_q3, b_q4, o_c, 8)
-    if NATIVE:
-        b_d = tl.dot(b_cd, b_xs.to(tl.int8), out_dtype=tl.int32).to(tl.float32)
-    else:  # the interpreter: integers below 2^24 in fp32, the same exact sums
-        b_d = tl.dot(b_cd.to(tl.float32), b_xs.to(tl.float32), input_precision="ieee")
-    b_w1 = tl.where(o_c < 4, _pow2(-7 * o_c - b_tk1), _pow2(-7 * (o_c - 8) - b_tq1))
-    b_w2 = tl.where(o_c < 4, _pow2(-b_tk2), tl.where((o_c >= 8) & (o_c < 12), _pow2(-b_tq2), 0.0))
-    b_sv = tl.load(p_skv + K + o_v) / QMAX
-    b_acc = b_d * b_w1[None, :] * b_w2[None, :] * b_sv[:, None]
-    # + the rank-R part: q_r a_r, in the product's layout
-    for r in tl.static_range(R):
-        b_qr = tl.load(p_uq + r * (K + V) + K + o_v).to(tl.float32)
-        b_akr = tl.sum(tl.where(o_r == r, b_ak, 0.0), axis=0)
-        b_aqr = tl.sum(tl.where(o_r == r, b_aq, 0.0), axis=0)
-        b_acc += b_qr[:, None] * tl.where(o_c == 0, b_akr, tl.where(o_c == 8, b_aqr, 0.0))[None, :]
-    # + the ring: ubuf^T [V, BL] x the bf16 pieces of c_k, c_q [BL, 16] (every product exact)
-    b_ub = tl.load(p_ub + o_l[None, :] * V + o_v[:, None], mask=m_old[None, :] & (o_v[:, None] < V), other=0.0)
-    b_cc = _piece_rows(b_ck, b_cq, o_c, NATIVE)
-    if NATIVE:
-        b_acc = tl.dot(b_ub, b_cc.to(tl.bfloat16), acc=b_acc)
-    else:
-        b_acc = tl.dot(b_ub.to(tl.float32), b_cc, acc=b_acc, input_precision="ieee")
-    b_p = tl.sum(tl.where(o_c[None, :] < 8, b_acc, 0.0), axis=1)
-    b_un = _bf16(tl.load(v + i_n64 * sv_n + i_hv * sv_h + o_v).to(tl.float32) - b_p, NATIVE)
-    # the new entry (decay 1): kbuf[j] = bf16(k), w_j = beta, and what it adds to o per unit of ubuf[j]
-    b_kj = _bf16(b_k, NATIVE)
-    b_cj = b_beta * tl.sum(b_kj.to(tl.float32) * b_q, axis=0)
-    b_o = tl.sum(tl.where(o_c[None, :] >= 8, b_acc, 0.0), axis=1) + b_un.to(tl.float32) * b_cj
-    _store_out(p_o + o_v, scale * b_o, NATIVE)
-    # every warp has read pcum, w and hcnt (their layouts replicate them over warps) before any overwrites them
-    tl.debug_barrier()
-    _store_ring_row(p_pc, p_w, p_gb, p_kb, hcnt + i_sh, b_pc, b_w, b_gn, b_kj, b_beta, j, o_k, o_l, K, IS_KDA,
-                    DUE == 0)
-    tl.store(p_ub + j * V + o_v, b_un, mask=tl.where(j >= 0, o_v < V, False))
-
-
-@triton.jit
-def leapquant_step_fma_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, hcnt,
-                          sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h, so_n, so_h, scale, NS, HV, G,
-                          SS, HS, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-                          R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr, IS_KDA: tl.constexpr,
-                          USE_QK_L2NORM: tl.constexpr, NATIVE: tl.constexpr):
-    """:func:`leapquant_step_kernel` without tensor cores, for sm_75 (Triton cannot lower its int8 product there):
-    fp32 elementwise products and sums over chunks of BV value channels, one chunk of the codes in registers at a
-    time. One token into the ring of (idx[n], hv) and ``out[n, hv] = scale S_t q``; grid (N, HV).
-
-    Token tensors (any float dtype; strides ``s*_n``, ``s*_h`` of their first two dims, unit last stride): q, k
-    [N, H, K] with H = HV / G; v [N, HV, V]; g [N, HV, K] (KDA) or [N, HV]; beta [N, HV]; out [N, HV, V]. Pool:
-    ``codes``, ``skv``, ``uq`` int8, fp32, fp16 views of ``raw``, region (s, hv) at word s SS + hv HS; the ring
-    rows kbuf [L, K], ubuf [L, V], w [L], pcum [K] or [1], gbuf [L, K] (KDA; GDN: any pointer), hcnt, at row
-    s HV + hv. A row whose slot is not real gets out = 0 and writes nothing else."""
-    i_n, i_hv = tl.program_id(0), tl.program_id(1)
-    i_n64 = i_n.to(tl.int64)
-    o_k, o_v, o_l, o_r = tl.arange(0, K), tl.arange(0, V), tl.arange(0, L), tl.arange(0, BR)
-    p_o = out + i_n64 * so_n + i_hv * so_h
-    i_s = tl.load(idx + i_n).to(tl.int64)
-    if (i_s < FIRST) | (i_s >= NS):
-        _store_out(p_o + o_v, tl.zeros([V], dtype=tl.float32), NATIVE)
-        return
-    i_h = i_hv // G
-    i_sh = i_s * HV + i_hv  # int64: NS HV L K passes 2^31 at a few thousand slots
-    o_reg = i_s * SS + i_hv * HS
-    _, p_skv, p_uq, p_kb, p_ub, p_w, p_pc, p_gb = _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, o_reg,
-                                                                 i_sh, K, V, L, IS_KDA)
-    p_cd = codes + o_reg * 4 + tl.arange(0, BV)[:, None] * K + o_k[None, :]
-    j = tl.load(hcnt + i_sh)
-    j = tl.where(j >= L, 0, j)  # a full ring was flushed: it restarts at entry 0
-    m_old = o_l < j  # the entries in use; nothing at or past j is read
-    b_k = _load_key(k + i_n64 * sk_n + i_h * sk_h, USE_QK_L2NORM, K)
-    b_q = _load_key(q + i_n64 * sq_n + i_h * sq_h, USE_QK_L2NORM, K)
-    b_beta = tl.load(beta + i_n64 * sb_n + i_hv * sb_h).to(tl.float32)
-    b_pc, b_e, b_w, b_gn, b_gs = _gate(g + i_n64 * sg_n + i_hv * sg_h, p_pc, p_w, p_gb, j, o_k, o_l, m_old, K,
-                                       IS_KDA, NATIVE)
-    b_ck, b_cq = _ring_keys(p_kb, b_k, b_q, b_w, b_gs, o_k, o_l, m_old, K, IS_KDA)
-    # the old rank-R part: u_r . (x * decay)
-    m_r = o_r < R
-    b_u = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=m_r[:, None] & (o_k[None, :] < K),
-                  other=0.0).to(tl.float32)
-    b_xk = b_k * b_e
-    b_xq = b_q * b_e
-    b_ak = tl.sum(b_u * b_xk[None, :], axis=1)
-    b_aq = tl.sum(b_u * b_xq[None, :], axis=1)
-    # Dq x = (s_v / QMAX) * (C (s_k * x * decay))
-    b_sk = tl.load(p_skv + o_k)
-    b_xk *= b_sk
-    b_xq *= b_sk
-    # the new entry (decay 1): kbuf[j] = bf16(k), w_j = beta, and what it adds to o per unit of ubuf[j]
-    b_kj = _bf16(b_k, NATIVE)
-    b_cj = b_beta * tl.sum(b_kj.to(tl.float32) * b_q, axis=0)
-    # every warp has read pcum, w and hcnt (their layouts replicate them over warps) before any overwrites them
-    tl.debug_barrier()
-    _store_ring_row(p_pc, p_w, p_gb, p_kb, hcnt + i_sh, b_pc, b_w, b_gn, b_kj, b_beta, j, o_k, o_l, K, IS_KDA)
-    p_v = v + i_n64 * sv_n + i_hv * sv_h
-    for c in tl.static_range(V // BV):
-        o_vc = c * BV + tl.arange(0, BV)
-        m_vc = o_vc < V
-        b_cf = tl.load(p_cd + c * BV * K).to(tl.float32)
-        b_sv = tl.load(p_skv + K + o_vc) / QMAX
-        b_qf = tl.load(p_uq + o_r[None, :] * (K + V) + K + o_vc[:, None], mask=m_r[None, :] & m_vc[:, None],
-                       other=0.0).to(tl.float32)
-        b_ub = tl.load(p_ub + o_l[:, None] * V + o_vc[None, :], mask=m_old[:, None] & m_vc[None, :],
-                       other=0.0).to(tl.float32)
-        b_p = (b_sv * tl.sum(b_cf * b_xk[None, :], axis=1) + tl.sum(b_qf * b_ak[None, :], axis=1)
-               + tl.sum(b_ub * b_ck[:, None], axis=0))
-        b_un = _bf16(tl.load(p_v + o_vc).to(tl.float32) - b_p, NATIVE)
-        tl.store(p_ub + j * V + o_vc, b_un, mask=tl.where(j >= 0, m_vc, False))
-        b_o = (b_sv * tl.sum(b_cf * b_xq[None, :], axis=1) + tl.sum(b_qf * b_aq[None, :], axis=1)
-               + tl.sum(b_ub * b_cq[:, None], axis=0) + b_un.to(tl.float32) * b_cj)
-        _store_out(p_o + o_vc, scale * b_o, NATIVE)
-
-
-@triton.jit
-def step_commit_kernel(idx, hcnt, NS, HV, FIRST: tl.constexpr, L: tl.constexpr, BH: tl.constexpr):
-    """``hcnt = (0 if hcnt >= L else hcnt) + 1`` for every head of each real slot of ``idx``: the counts of a
-    two-stream step (:func:`leapquant_step_kernel` modes 1 and 2), written once both halves are done; grid (N,)."""
-    i_n = tl.program_id(0)
-    i_s = tl.load(idx + i_n).to(tl.int64)
-    if (i_s < FIRST) | (i_s >= NS):
-        return
-    o_h = tl.arange(0, BH)
-    p_h = hcnt + i_s * HV + o_h
-    b_h = tl.load(p_h, mask=o_h < HV, other=0)
-    tl.store(p_h, tl.where(b_h >= L, 0, b_h) + 1, mask=o_h < HV)
 
 
 def uses_fma(capability: int | None) -> bool:
     """Whether a GPU of compute capability ``capability`` (``major * 10 + minor``) runs
-    :func:`leapquant_step_fma_kernel`: sm_75, where Triton cannot lower the int8 product to the tensor cores."""
+    :func:`.step_kernel.leapquant_step_fma_kernel`: sm_75, where Triton cannot lower the int8 product to the tensor
+    cores."""
     return capability is not None and capability < 80
 
 
-def step_build(geometry, convention: str, use_qk_l2norm: bool, capability: int | None, fma: bool | None = None):
-    """(kernel, constexpr arguments, compile options) of the step for a pool on a GPU of compute capability
-    ``capability`` (None: the interpreter, which runs the tensor-core kernel's fp32 twin unless ``fma``): what
-    :func:`step_pool` launches and the AOT check compiles."""
+def step_build(geometry, first_slot: int, use_qk_l2norm: bool, capability: int | None, fma: bool | None = None):
+    """(kernel, constexpr arguments, compile options) of the step for a pool whose real slots start at ``first_slot``
+    on a GPU of compute capability ``capability`` (None: the interpreter, which runs the tensor-core kernel's fp32 twin
+    unless ``fma``): what :func:`step_pool` launches and the AOT check compiles."""
     g = geometry
     fma = uses_fma(capability) if fma is None else fma
-    consts = dict(FIRST=1 if convention == "vllm" else 0, K=g.head_k, V=g.head_v, L=g.ring, R=g.rank, BR=4,
-                  IS_KDA=g.gate == "kda", USE_QK_L2NORM=bool(use_qk_l2norm),
-                  NATIVE=capability is not None and not _interpreting())
+    consts = dict(FIRST=first_slot, K=g.head_k, V=g.head_v, L=g.ring, R=g.rank, BR=4, IS_KDA=g.gate == "kda",
+                  USE_QK_L2NORM=bool(use_qk_l2norm), NATIVE=capability is not None and not interpreting())
     if fma:
         return leapquant_step_fma_kernel, dict(consts, BV=min(g.head_v, FMA_CHUNK // g.head_k)), \
             compile_options(FMA_WARPS, None)
-    return leapquant_step_kernel, dict(consts, BL=max(g.ring, 16), DUE=0), compile_options(NUM_WARPS, MAXNREG)
+    return leapquant_step_kernel, dict(consts, BL=max(g.ring, 16)), compile_options(NUM_WARPS, MAXNREG)
 
 
+# compiled inside mma_sync_only, as the flush, then launched directly (launcher.py)
 _LAUNCHERS = {leapquant_step_kernel: Launcher(leapquant_step_kernel, mma_sync_only),
               leapquant_step_fma_kernel: Launcher(leapquant_step_fma_kernel, mma_sync_only)}
 
 
-def _capability(device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return major * 10 + minor
-
-
-# per pool memory (keyed weakly by the pool's raw tensor: they go with it):
-# {(geometry, convention, l2norm): (the tensors' (address, dtype)s, Prepared)}
-_PREPARED = WeakIdKeyDictionary()
-
-
-def _prepared(pool, use_qk_l2norm: bool, fma: bool | None, due: int = 0):
+def _prepared(pool, use_qk_l2norm: bool, fma: bool | None):
     """The step's launch with the pool's tensors and constants bound once (:meth:`.launcher.Launcher.prepare`),
-    prepared again when a tensor of the pool moved (as :func:`.host._plan`)."""
+    prepared again when a tensor of the pool moved (:func:`.launcher.per_pool`)."""
     g = pool.geometry
     tensors = dict(codes=pool.codes, skv=pool.s_kv, uq=pool.uq, kbuf=pool.kbuf, ubuf=pool.ubuf, w=pool.w,
                    pcum=pool.pcum, gbuf=pool.gbuf if pool.gbuf is not None else pool.w,  # GDN never reads it
                    hcnt=pool.hcnt)
-    memory = [(t.data_ptr(), t.dtype) for t in tensors.values()]
-    cache = _PREPARED.get(pool.raw)
-    if cache is None:
-        cache = _PREPARED[pool.raw] = {}
-    key = (g, pool.convention, bool(use_qk_l2norm), fma, due)
-    entry = cache.get(key)
-    if entry is None or entry[0] != memory:
-        kernel, consts, options = step_build(g, pool.convention, use_qk_l2norm, _capability(pool.raw.device), fma)
+
+    def make():
+        kernel, consts, options = step_build(g, pool.first_slot, use_qk_l2norm, device_capability(pool.raw.device),
+                                             fma)
         static = dict(tensors, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, HS=g.head_stride, **consts)
-        if "DUE" in consts:
-            static["DUE"] = due
-        entry = cache[key] = (memory, _LAUNCHERS[kernel].prepare(static, options))
-    return entry[1]
+        return _LAUNCHERS[kernel].prepare(static, options)
 
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """A high-priority stream per device for the flush half of a two-stream step: its programs are scheduled before
-    the step's as SMs free up."""
-    stream = _SIDE_STREAMS.get(device)
-    if stream is None:
-        low, high = torch.cuda.Stream.priority_range()
-        stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=high)
-    return stream
+    key = ("step", g, pool.first_slot, bool(use_qk_l2norm), fma)
+    return per_pool(pool.raw, key, tensors.values(), make)
 
 
 def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-              beta: torch.Tensor, scale: float, use_qk_l2norm: bool, out: torch.Tensor, fma: bool | None = None,
-              streams: int | None = None) -> None:
+              beta: torch.Tensor, scale: float, use_qk_l2norm: bool, out: torch.Tensor,
+              fma: bool | None = None) -> None:
     """One decode token per row of ``idx`` (int32 ``[N]``) on ``pool`` in place, ``out`` written (SPEC §6).
 
-    ``streams=1``: flushes the full rings of ``idx`` first (:func:`.host.flush_pool`; stream order makes the step
-    see the new checkpoints), then launches :func:`leapquant_step_kernel` (:func:`leapquant_step_fma_kernel` on
-    sm_75, or where ``fma`` asks: the tests run both) on grid ``(N, HV)``. ``streams=2`` (a GPU from sm_80): the
-    pairs whose ring is not full step on the current stream while a side stream flushes the full ones and then
-    steps them; the current stream waits for the side stream and :func:`step_commit_kernel` writes the counts.
-    ``None``: :data:`STREAMS`. ``q``, ``k`` ``[N, H, K]`` (H dividing HV), ``v`` ``[N, HV, V]``, ``g``
-    ``[N, HV, K]`` (KDA) or ``[N, HV]`` (GDN), ``beta`` ``[N, HV]``, ``out`` ``[N, HV, V]``: float32, bfloat16 or
-    float16, unit last stride. No host synchronisation and no allocation beyond the flush's: graph-capturable."""
+    Flushes the full rings of ``idx`` first (:func:`.flush.flush_pool`; stream order makes the step see the new
+    checkpoints), then launches :func:`.step_kernel.leapquant_step_kernel`
+    (:func:`.step_kernel.leapquant_step_fma_kernel` on sm_75, or where ``fma`` asks: the tests run both) on grid
+    ``(N, HV)``. ``q``, ``k`` ``[N, H, K]`` (H dividing HV), ``v`` ``[N, HV, V]``, ``g`` ``[N, HV, K]`` (KDA) or
+    ``[N, HV]`` (GDN), ``beta`` ``[N, HV]``, ``out`` ``[N, HV, V]``: float32, bfloat16 or float16, unit last stride. No
+    host synchronisation and no allocation beyond the flush's: graph-capturable."""
     N = idx.numel()
     if N == 0:
         return
@@ -485,28 +81,5 @@ def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                                                              ("o", out)) for i, d in enumerate("nh")}
     dynamic = dict(idx=idx, q=q, k=k, v=v, g=g, beta=beta, out=out, **strides, scale=float(scale),
                    G=pool.heads // q.shape[1])
-    grid = (N, pool.heads)
-    device = pool.raw.device
-    two = (STREAMS if streams is None else streams) == 2 and not fma and not uses_fma(_capability(device)) \
-        and device.type == "cuda" and not _interpreting()
-    if not two:
-        flush_pool(pool, idx)
-        _prepared(pool, use_qk_l2norm, fma)(grid, dynamic)
-        return
-    main, side = torch.cuda.current_stream(device), _side_stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        flush_pool(pool, idx)
-        _prepared(pool, use_qk_l2norm, fma, due=2)(grid, dynamic)
-    _prepared(pool, use_qk_l2norm, fma, due=1)(grid, dynamic)
-    main.wait_stream(side)
-    _commit(pool, idx)
-
-
-_launch_commit = Launcher(step_commit_kernel, mma_sync_only)
-
-
-def _commit(pool, idx: torch.Tensor) -> None:
-    _launch_commit((idx.numel(),), dict(idx=idx, hcnt=pool.hcnt, NS=pool.num_slots, HV=pool.heads,
-                                        FIRST=1 if pool.convention == "vllm" else 0, L=pool.ring,
-                                        BH=triton.next_power_of_2(pool.heads)), compile_options(1, None))
+    flush_pool(pool, idx)
+    _prepared(pool, use_qk_l2norm, fma)((N, pool.heads), dynamic)

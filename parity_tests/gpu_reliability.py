@@ -36,9 +36,9 @@ def _backends() -> list[str]:
 
 def _flush(backend: str, pool, idx) -> None:
     if backend.startswith("triton:"):
-        import leapquant_triton.host as host
+        import leapquant_triton.flush as flush
 
-        host.flush_pool(pool, idx, schedule=backend.split(":")[1])
+        flush.flush_pool(pool, idx, schedule=backend.split(":")[1])
     else:
         leapquant.flush(pool, idx, backend=backend, check=False)
 

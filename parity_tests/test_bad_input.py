@@ -48,9 +48,9 @@ def _pool(gate="kda", num_slots=6, heads=2, convention="vllm", seed=1, due=None)
 def _flush(backend, pool, idx, monkeypatch, check=True):
     """``leapquant.flush`` with ``backend`` (``"triton:grid"`` / ``"triton:list"``: that schedule of the kernel)."""
     if backend.startswith("triton:"):
-        import leapquant_triton.host as host
+        import leapquant_triton.flush as flush
 
-        monkeypatch.setattr(host, "schedule_for", lambda rows, heads, s=backend.split(":")[1]: s)
+        monkeypatch.setattr(flush, "schedule_for", lambda rows, heads, s=backend.split(":")[1]: s)
         backend = "triton"
     leapquant.flush(pool, idx, backend=backend, check=check)
 

@@ -31,7 +31,7 @@ from .test_triton_kernel import _fill_program, _randomise
 triton = pytest.importorskip("triton")
 
 from leapquant_triton.backend import TritonBackend  # noqa: E402
-from leapquant_triton.host import flush_pool  # noqa: E402
+from leapquant_triton.flush import flush_pool  # noqa: E402
 from leapquant_triton.step import step_pool  # noqa: E402
 
 from . import test_triton_step as ts  # noqa: E402

@@ -30,9 +30,9 @@ def _state(pool):
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
 def test_graph_capture_and_replay(backend, gate, monkeypatch):
     if backend == "triton:list":
-        import leapquant_triton.host as triton_host
+        import leapquant_triton.flush as triton_flush
 
-        monkeypatch.setattr(triton_host, "schedule_for", lambda rows, heads: "list")
+        monkeypatch.setattr(triton_flush, "schedule_for", lambda rows, heads: "list")
         backend = "triton"
     pool = leapquant.Pool(12, 32, gate=gate, device="cuda")
     gen = torch.Generator().manual_seed(21)

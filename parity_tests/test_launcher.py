@@ -173,10 +173,10 @@ def test_wrong_arguments_are_refused():
 
 def test_direct_by_default_only_for_a_compiled_jit_function():
     assert not Launcher(_JitFn()).direct
-    from leapquant_triton import host, kernel
+    from leapquant_triton import flush, flush_kernel
 
-    assert host._launch_flush.direct == isinstance(kernel.leapquant_flush_kernel,
-                                                     __import__("triton").runtime.jit.JITFunction)
+    assert flush._launch_flush.direct == isinstance(flush_kernel.leapquant_flush_kernel,
+                                                      __import__("triton").runtime.jit.JITFunction)
 
 
 def test_prepared_launches_take_the_static_arguments_once():

@@ -249,8 +249,9 @@ def test_cuda_graph_capture(gate):
 
 def test_ahead_of_time_builds_fit():
     """Both kernels in both layouts compile for sm_90 (the H200) with Triton's own pipeline and fit as the flush's
-    builds must (registers, spills <= 2 KB, shared memory, mma.sync): ``python -m leapquant_triton.states`` checks
-    every claimed architecture. In a subprocess without TRITON_INTERPRET, which conftest sets on a CPU."""
+    builds must (registers, spills <= 2 KB, shared memory, mma.sync): ``python -m leapquant_triton.portability
+    --ops states`` checks every claimed architecture. In a subprocess without TRITON_INTERPRET, which conftest sets on
+    a CPU."""
     import os
     import subprocess
     import sys
@@ -259,8 +260,8 @@ def test_ahead_of_time_builds_fit():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run([sys.executable, "-m", "leapquant_triton.states", "--quick", "--arch", "90"], cwd=root,
-                         env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-m", "leapquant_triton.portability", "--ops", "states", "--quick",
+                          "--arch", "90"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("sm_90")]
     assert len(rows) == 2 * 2 * 2 and all(" ok " in line and "mma.sync" in line for line in rows), res.stdout

@@ -21,13 +21,13 @@ import torch
 
 import leapquant
 from leapquant import parity
-from leapquant import reference as ref
+from leapquant import formulas as ref
 from leapquant.constants import EPS
 
 triton = pytest.importorskip("triton")
 
 from leapquant_triton.backend import TritonBackend  # noqa: E402
-from leapquant_triton.host import flush_pool, schedule_for  # noqa: E402
+from leapquant_triton.flush import flush_pool, schedule_for  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BACKEND = TritonBackend()
@@ -86,7 +86,7 @@ def _fill_program(pool, s: int, h: int, g: torch.Generator, scale: float = 1.0, 
 
 def _check_flush(pool, idx: list[int], due_progs: list[tuple[int, int]],
                  schedule: str | None = None) -> parity.Parity:
-    """Flush ``idx`` with the Triton backend (its default schedule, or ``schedule``: host.flush_pool's "grid" or
+    """Flush ``idx`` with the Triton backend (its default schedule, or ``schedule``: flush.flush_pool's "grid" or
     "list") and judge it by leapquant.parity: SPEC §4 per program and over the batch, untouched bytes, resets."""
     idx_t = torch.tensor(idx, dtype=torch.int32, device=pool.device)
     rows, heads = pool.due(idx_t).cpu().nonzero(as_tuple=True)
@@ -242,7 +242,7 @@ def test_triton_older_than_the_checked_range_is_refused(monkeypatch):
     """An engine's torch may pin a Triton older than the oldest this backend is checked with (torch 2.8: Triton 3.4,
     whose build of the list schedule fails on sm_90): the backend is then unavailable, with the version in the reason,
     rather than failing at its first large flush. Versions compare by (major, minor), a local suffix ignored."""
-    from leapquant_triton.backend import MIN_TRITON, triton_release
+    from leapquant_triton.targets import MIN_TRITON, triton_release
 
     assert triton_release(triton.__version__) >= MIN_TRITON, "this run's Triton is below the declared range"
     assert triton_release("3.6.0+git1a2b3c4") == (3, 6) and triton_release("3.10.0") > (3, 9)
@@ -256,7 +256,7 @@ def test_triton_older_than_the_checked_range_is_refused(monkeypatch):
 def test_mma_sync_switch_is_scoped(monkeypatch):
     """The wgmma / tcgen05 switches are set while a launch compiles and put back as they were afterwards, also after
     an exception, so other Triton code in the engine's process keeps its own lowering."""
-    from leapquant_triton.host import mma_sync_only
+    from leapquant_triton.targets import mma_sync_only
 
     monkeypatch.delenv("DISABLE_MMA_V3", raising=False)
     monkeypatch.setenv("DISABLE_MMA_V5", "0")
@@ -274,9 +274,9 @@ def test_mma_sync_switch_is_scoped(monkeypatch):
 def test_direct_launches_write_what_bound_launches_write(schedule, monkeypatch):
     """Launches of the kept compiled kernel (launcher.py) leave the same bytes as launches through Triton's
     argument binding, for an idx at a 16-byte boundary and one 4 bytes past it (which Triton specialises apart). The
-    runs share one pool object, so that they share its plan (host._plan), whose prepared launches keep the
+    runs share one pool object, so that they share its plan (flush._plan), whose prepared launches keep the
     kernels."""
-    from leapquant_triton import host
+    from leapquant_triton import flush, launcher
 
     pool, g = _pool(heads=3, head_k=128, head_v=128, ring=16, rank=4, gate="kda", seed=77)
     for s, h in [(1, 0), (1, 2), (2, 1), (3, 0), (4, 1), (4, 2)]:
@@ -287,8 +287,8 @@ def test_direct_launches_write_what_bound_launches_write(schedule, monkeypatch):
     for idx in (buf[:5], buf[1:]):
         out = []
         for direct in (False, True, True):  # bound; first through the plan's launcher (binds, keeps); then direct
-            monkeypatch.setattr(host._launch_flush, "direct", direct)
-            monkeypatch.setattr(host._launch_due_list, "direct", direct)
+            monkeypatch.setattr(flush._launch_flush, "direct", direct)
+            monkeypatch.setattr(flush._launch_due_list, "direct", direct)
             parity.restore(p, start)
             flush_pool(p, idx, schedule=schedule)
             out.append(parity.snapshot(p))
@@ -296,32 +296,32 @@ def test_direct_launches_write_what_bound_launches_write(schedule, monkeypatch):
             for o in out[1:]:
                 assert torch.equal(out[0][name], o[name]), (idx.data_ptr() % 16, name)
         assert not torch.equal(out[0]["raw"], start["raw"])  # the flush did something
-    (plan,) = host._PLANS[p.raw].values()
+    (plan,) = [plan for key, (_, plan) in launcher._PER_POOL[p.raw].items() if key[0] == "flush"]
     keys = [k for k in plan.flush.kernels if k[0] == torch.cuda.current_device()]
     idx_aligned = {k[2 + plan.flush.dynamic.index("idx")][1] for k in keys}
     assert idx_aligned == {True, False}
 
 
 def test_plans_follow_the_pools_memory():
-    """host.flush_pool keeps one plan per pool memory, N and build (host._plan): a second flush of the same pool
+    """flush.flush_pool keeps one plan per pool memory, N and build (flush._plan): a second flush of the same pool
     takes it again, and so does a pool made afresh over the same tensors (the custom op's way); a pool whose tensor
     was replaced by another gets a new plan, and its flush reads the new tensor; the plans go with the pool."""
     import gc
 
-    from leapquant_triton import host
+    from leapquant_triton import flush, launcher
 
     pool, g = _pool(heads=1, head_k=64, head_v=64, ring=8, rank=1, gate="kda", num_slots=3, seed=5)
     _fill_program(pool, 1, 0, g)
     start = parity.snapshot(pool)
     idx = torch.tensor([1], dtype=torch.int32, device=DEVICE)
     flush_pool(pool, idx)
-    first = host._plan(pool, 1, schedule_for(1, 1), 4, None, idx.device)
-    assert host._plan(pool, 1, schedule_for(1, 1), 4, None, idx.device) is first
+    first = flush._plan(pool, 1, schedule_for(1, 1), 4, None, idx.device)
+    assert flush._plan(pool, 1, schedule_for(1, 1), 4, None, idx.device) is first
     twin = leapquant.Pool.from_tensors(pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt,
                                        pool.q0, num_slots=3, heads=1, head_k=64, head_v=64, ring=8, rank=1,
                                        gate="kda")
-    assert host._plan(twin, 1, schedule_for(1, 1), 4, None, idx.device) is first
-    assert len(host._PLANS[pool.raw]) == 1
+    assert flush._plan(twin, 1, schedule_for(1, 1), 4, None, idx.device) is first
+    assert len(launcher._PER_POOL[pool.raw]) == 1
 
     # the same pool with another ring in a new tensor: the flush must read it, as a pool built with it does
     parity.restore(pool, start)
@@ -333,12 +333,12 @@ def test_plans_follow_the_pools_memory():
     flush_pool(want, idx)
     assert torch.equal(parity.as_bytes(pool.raw), parity.as_bytes(want.raw))
     assert not torch.equal(parity.as_bytes(pool.raw), start["raw"])
-    assert host._plan(pool, 1, schedule_for(1, 1), 4, None, idx.device) is not first
+    assert flush._plan(pool, 1, schedule_for(1, 1), 4, None, idx.device) is not first
 
-    n = len(host._PLANS)
+    n = len(launcher._PER_POOL)
     del pool, twin, first
     gc.collect()
-    assert len(host._PLANS) == n - 1
+    assert len(launcher._PER_POOL) == n - 1
 
 
 @pytest.mark.xfail(strict=DEVICE == "cpu", reason="known: the fp16 subspace iteration (the seed's numerics) loses to the fp32 "

@@ -1,5 +1,5 @@
 """Ahead-of-time compile of the Triton flush and step kernels for every architecture the backend claims (no GPU
-needed).
+needed; the states kernels' builds: test_states.py).
 
 Runs ``python -m leapquant_triton.portability --quick`` (the default shape, 128 x 128, ring 16, rank 4, KDA, and
 64 x 64) for the claimed compute capabilities: the kernels must compile with Triton's bundled ptxas and fit each
@@ -20,9 +20,9 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler")
 
-from leapquant_triton.backend import STEP_CAPABILITIES, SUPPORTED_CAPABILITIES  # noqa: E402
-from leapquant_triton.host import SCHEDULES  # noqa: E402
+from leapquant_triton.flush import SCHEDULES  # noqa: E402
 from leapquant_triton.portability import MAX_SPILL_BYTES, STEP  # noqa: E402
+from leapquant_triton.targets import STEP_CAPABILITIES, SUPPORTED_CAPABILITIES  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +39,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_claimed_architectures_fit():
-    res = _run("--quick", "--arch", ",".join(map(str, SUPPORTED_CAPABILITIES)))
+    res = _run("--quick", "--ops", "flush,step", "--arch", ",".join(map(str, SUPPORTED_CAPABILITIES)))
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("sm_")]
     # the flush's schedules and the step, per shape
@@ -52,7 +52,7 @@ def test_claimed_architectures_fit():
         regs, spill, smem, limit = int(m[2]), int(m[3]), float(m[4]), int(m[5])
         assert 0 < regs <= 255 and spill <= MAX_SPILL_BYTES and 0 < smem <= limit, line
         # the flush and the step (its int8 and bf16 products): the mma.sync lowering on every target, Hopper and
-        # Blackwell included (host.mma_sync_only)
+        # Blackwell included (targets.mma_sync_only)
         assert m[6] == "mma.sync", line
 
 
@@ -72,7 +72,7 @@ def test_mma_family(ptx, family):
 
 def test_list_build_prefetches_from_sm_90_only():
     """The AOT check compiles the list build as an H200 launches it, with the L2 prefetch of the pair one round ahead
-    (host.prefetch_ahead: five bulk prefetches), and the sm_80 list build and the grid builds without it."""
+    (flush.prefetch_ahead: five bulk prefetches), and the sm_80 list build and the grid builds without it."""
     code = (
         "import leapquant_triton.portability as p\n"
         "for arch, kernel in ((90, 'list'), (100, 'list'), (80, 'list'), (90, 'grid')):\n"
@@ -91,7 +91,7 @@ def test_unclaimed_target_reported_not_failed():
     not fail the check because the backend does not claim the flush there; the step is claimed on sm_75, where its
     FMA kernel (no tensor cores) fits."""
     assert 75 not in SUPPORTED_CAPABILITIES and 75 in STEP_CAPABILITIES
-    res = _run("--quick", "--arch", "75")
+    res = _run("--quick", "--ops", "flush,step", "--arch", "75")
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("sm_75")]
     flush = [line for line in rows if f" {STEP} " not in line]
@@ -135,7 +135,7 @@ def test_ci_checks_the_declared_triton_range(tmp_path):
     """CI tests every release the ``triton`` extra allows, as .ci/triton_releases.py reads them from pyproject.toml:
     the oldest must be the backend's MIN_TRITON (else CI would test a release the backend refuses, or skip one it
     takes), the running Triton must be one of them, and a range it cannot enumerate fails instead of testing none."""
-    from leapquant_triton.backend import MIN_TRITON, triton_release
+    from leapquant_triton.targets import MIN_TRITON, triton_release
 
     import triton
 

@@ -1,42 +1,22 @@
-"""The host side of the Triton flush: the build's options and constants, the schedules, and :func:`flush_pool`,
-which launches the kernels of :mod:`.kernel` from a plan prepared once per pool (docs/DESIGN.md, "Triton: schedules,
+"""The host side of the Triton flush: the build's constants, the schedules, and :func:`flush_pool`, which launches
+the kernels of :mod:`.flush_kernel` from a plan prepared once per pool (docs/DESIGN.md, "Triton: schedules,
 PDL and the L2 prefetch" and "Triton: host-side launches")."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
-
 import torch
 import triton
-from torch.utils.weak import WeakIdKeyDictionary
 
-from .backend import _interpreting
-from .kernel import due_list_kernel, leapquant_flush_kernel
-from .launcher import Launcher
-
-
-def num_warps_for(head_k: int, head_v: int) -> int:
-    """Warps per program. The [V, K] fp32 state costs V K / (32 num_warps) registers per thread: 64 at 128 x 128
-    with 8 warps. 64 x 64 fits 4 warps (32 per thread); 128 x 64 at 4 warps spills, so it takes 8."""
-    return 4 if head_k * head_v <= 64 * 64 else 8
-
-
-def maxnreg_for(num_warps: int) -> int | None:
-    """Register cap per thread: at 8 warps, 128 registers let two programs share an SM, which is faster despite the
-    spills than one uncapped program (docs/DESIGN.md, "Triton: registers and occupancy"); 4 warps are uncapped."""
-    return 128 if num_warps == 8 else None
-
-
-# FMA contraction on, as every parity figure was measured: Triton 3.10 turns it off by default, and
-# TRITON_DEFAULT_FP_FUSION=0 in the caller's environment would too
-FP_FUSION = dict(enable_fp_fusion=True)
-
-
-def compile_options(num_warps: int, maxnreg: int | None) -> dict:
-    """The options of the flush kernel's build: what :func:`flush_pool` launches and the AOT check compiles."""
-    return dict(num_warps=num_warps, num_stages=1, **FP_FUSION, **({"maxnreg": maxnreg} if maxnreg else {}))
+from .flush_kernel import due_list_kernel, leapquant_flush_kernel
+from .launcher import Launcher, per_pool
+from .targets import (
+    FP_FUSION,
+    compile_options,
+    device_capability,
+    interpreting,
+    mma_sync_only,
+    warps_and_cap,
+)
 
 
 def scratch_words(head_k: int, head_v: int, iters: int) -> int:
@@ -45,12 +25,13 @@ def scratch_words(head_k: int, head_v: int, iters: int) -> int:
     return 6 * head_v + 32 * iters + 4 + head_k
 
 
-def kernel_constants(geometry, convention: str, iters: int) -> dict:
-    """The constexpr arguments of :func:`.kernel.leapquant_flush_kernel` for a pool (also what the AOT check
-    compiles), but the schedule's ``LIST``, ``PDL`` and ``AHEAD``, which :func:`flush_pool` adds."""
+def kernel_constants(geometry, first_slot: int, iters: int) -> dict:
+    """The constexpr arguments of :func:`.flush_kernel.leapquant_flush_kernel` for a pool whose real slots start at
+    ``first_slot`` (also what the AOT check compiles), but the schedule's ``LIST``, ``PDL`` and ``AHEAD``, which
+    :func:`flush_pool` adds."""
     g = geometry
     return dict(
-        FIRST=1 if convention == "vllm" else 0,
+        FIRST=first_slot,
         K=g.head_k,
         V=g.head_v,
         L=g.ring,
@@ -60,32 +41,8 @@ def kernel_constants(geometry, convention: str, iters: int) -> dict:
         ITERS=iters,
         IS_KDA=g.gate == "kda",
         SCR=scratch_words(g.head_k, g.head_v, iters),
-        BF16_DOTS=not _interpreting(),
+        BF16_DOTS=not interpreting(),
     )
-
-
-_MMA_ENV = ("DISABLE_MMA_V3", "DISABLE_MMA_V5")
-_mma_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def mma_sync_only():
-    """Compile with Triton's ``mma.sync`` lowering of ``tl.dot``, not Hopper's ``wgmma`` (which miscompiles this
-    kernel on sm_90) or Blackwell's ``tcgen05``: docs/DESIGN.md, "Triton: mma.sync, not wgmma".
-
-    Triton reads the switch from the environment while it compiles, and its in-process cache does not see it, so it
-    is set (under a lock, then restored) around every launch that may compile."""
-    with _mma_lock:
-        old = {k: os.environ.get(k) for k in _MMA_ENV}
-        os.environ.update({k: "1" for k in _MMA_ENV})
-        try:
-            yield
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    del os.environ[k]
-                else:
-                    os.environ[k] = v
 
 
 def prefetch_ahead(device: torch.device) -> int:
@@ -105,7 +62,7 @@ def _pdl(device: torch.device) -> bool:
 def _sm90_or_later(device: torch.device) -> bool:
     """Whether the kernels are compiled for ``device`` with sm_90's instructions (griddepcontrol, bulk L2 prefetch):
     a CUDA device of capability 9.0 or later, not under the interpreter. A host-side property: no sync."""
-    return not _interpreting() and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return not interpreting() and (device_capability(device) or 0) >= 90
 
 
 # every launch of the two kernels: compiled inside mma_sync_only, then launched directly (launcher.py)
@@ -127,14 +84,11 @@ def schedule_for(rows: int, heads: int) -> str:
 class _Plan:
     """What :func:`flush_pool` launches for one pool, ``N`` and build, but ``idx`` and the per-call buffers: the
     static arguments prepared once (:meth:`.launcher.Launcher.prepare`), so that an eager flush looks at four of the
-    31. The tensors enter as addresses and dtypes, so a plan serves any pool over the same memory (:func:`_memory`),
-    such as the custom op's, made afresh per call; it holds them, so their memory cannot go to another pool."""
+    31. Kept per pool memory (:func:`_plan`)."""
 
-    def __init__(self, pool, tensors: tuple, memory: list, N: int, schedule: str, nw: int, cap: int | None,
-                 device: torch.device):
+    def __init__(self, pool, tensors: tuple, N: int, schedule: str, nw: int, cap: int | None, device: torch.device):
         g = pool.geometry
-        self.memory = memory
-        consts = kernel_constants(g, pool.convention, pool.iters)
+        consts = kernel_constants(g, pool.first_slot, pool.iters)
         self.scratch_words = N * g.heads * consts["SCR"]
         pdl = schedule == "list" and _pdl(device)
         ahead = prefetch_ahead(device) if schedule == "list" else 0
@@ -160,27 +114,11 @@ def _pool_tensors(pool) -> tuple:
     return (pool.codes, pool.s_kv, pool.uq, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.q0, pool.hcnt)
 
 
-def _memory(tensors: tuple) -> list:
-    """What the kernels see of the pool's tensors: (address, dtype) each."""
-    return [None if t is None else (t.data_ptr(), t.dtype) for t in tensors]
-
-
-# per pool memory (keyed weakly by the pool's raw tensor: the plans go with it):
-# {(geometry, convention, iters, N, schedule, warps, cap, device): _Plan}
-_PLANS = WeakIdKeyDictionary()
-
-
 def _plan(pool, N: int, schedule: str, nw: int, cap: int | None, device: torch.device) -> _Plan:
-    plans = _PLANS.get(pool.raw)
-    if plans is None:
-        plans = _PLANS[pool.raw] = {}
-    key = (pool.geometry, pool.convention, pool.iters, N, schedule, nw, cap, device)
+    """The pool's plan for ``N`` rows and this build (:func:`.launcher.per_pool`)."""
     tensors = _pool_tensors(pool)
-    memory = _memory(tensors)
-    plan = plans.get(key)
-    if plan is None or plan.memory != memory:
-        plan = plans[key] = _Plan(pool, tensors, memory, N, schedule, nw, cap, device)
-    return plan
+    key = ("flush", pool.geometry, pool.first_slot, pool.iters, N, schedule, nw, cap, device)
+    return per_pool(pool.raw, key, tensors, lambda: _Plan(pool, tensors, N, schedule, nw, cap, device))
 
 
 def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: int | None = None,
@@ -189,8 +127,8 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
     launches for the same pool and ``N``.
 
     ``schedule="grid"``: one program per (row, head), grid ``(N, HV)``; a program that is not due returns after reading
-    ``idx`` and ``hcnt``. ``"list"``: :func:`.kernel.due_list_kernel` lists the due pairs first, and program p of the
-    flush takes pair p: the due programs are launched first, the others return after one load. The default is
+    ``idx`` and ``hcnt``. ``"list"``: :func:`.flush_kernel.due_list_kernel` lists the due pairs first, and program p
+    of the flush takes pair p: the due programs are launched first, the others return after one load. The default is
     :func:`schedule_for`; ``schedule``, ``num_warps`` and ``maxnreg`` override the tuned defaults (for experiments;
     ``maxnreg=0`` lifts the cap)."""
     g = pool.geometry
@@ -200,8 +138,7 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
     schedule = schedule or schedule_for(N, g.heads)
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
-    nw = num_warps or num_warps_for(g.head_k, g.head_v)
-    cap = maxnreg if maxnreg is not None else maxnreg_for(nw)
+    nw, cap = warps_and_cap(g.head_k, g.head_v, num_warps, maxnreg)
     plan = _plan(pool, N, schedule, nw, cap, idx.device)
     # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch their own
     # words

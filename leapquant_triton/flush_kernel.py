@@ -1,5 +1,5 @@
 """The LeapQuant flush as Triton kernels, one ``@triton.jit`` function per step of docs/SPEC.md §3 (launches:
-:mod:`.host`; design and measurements: docs/DESIGN.md, "Triton: one program per due pair" and on). One program
+:mod:`.flush`; design and measurements: docs/DESIGN.md, "Triton: one program per due pair" and on). One program
 flushes one due (slot, head), its state in registers from the rebuild to the codes. Block values (``b_``; ``BR``,
 ``BL``: rank and ring padded to 16 for ``tl.dot``, the padding zero):
 
@@ -20,17 +20,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from leapquant import constants
+from .common_kernel import EPS, FLOOR, FP16_MAX, PNMIN, QMAX, ROUND_MAGIC, ROUND_MAGIC_BITS, TINY, _pair_pointers
 
-# the SPEC's constants as compile-time values (a @triton.jit function can read only constexpr globals)
-QMAX = tl.constexpr(constants.QMAX)
-EPS = tl.constexpr(constants.EPS)
-FLOOR = tl.constexpr(constants.FLOOR)
-TINY = tl.constexpr(constants.TINY)
-PNMIN = tl.constexpr(constants.PNMIN)
-FP16_MAX = tl.constexpr(constants.FP16_MAX)
-# 1.5 * 2^23: adding it rounds an fp32 |x| <= 2^22 half to even, in the interpreter too (unlike libdevice's rint)
-RINT_MAGIC = tl.constexpr(12582912.0)
 # rows of idx compared per step of the scan for an earlier row naming the same slot (:func:`_named_before`)
 SCAN = tl.constexpr(256)
 
@@ -119,7 +110,7 @@ def due_list_kernel(idx, hcnt, work, NS, HV, FIRST: tl.constexpr, L: tl.constexp
     """Grid ``(N,)``: appends row n's due pairs as ``slot HV + head`` to ``work[1:]`` and counts them in ``work[0]``
     (zeroed before): one atomic add per row, a prefix sum within it. A pair is listed if it is due and row n is the
     first row naming its slot (at most once per call); whether its ring holds anything the flush program asks itself
-    (from L1, after its loads: reading the rings here made the list a dependent load longer, +11 % at 1/16)."""
+    (from L1, after its loads: reading the rings here would make the list one dependent load longer)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()  # the flush may start: it waits for this grid before reading work
@@ -143,7 +134,7 @@ def due_list_kernel(idx, hcnt, work, NS, HV, FIRST: tl.constexpr, L: tl.constexp
 def _region_and_scratch(scratch, scratch16, o_scr, i_s, i_h, SS, HS, K: tl.constexpr, V: tl.constexpr,
                         ITERS: tl.constexpr):
     """The pair's first word in the pool (slot stride ``SS``, head stride ``HS`` words: the layout's), and the
-    program's scratch words (:func:`.host.scratch_words`): Y / Q [V, 4] (later 1 / s_k), two Gram matrices per ITERS,
+    program's scratch words (:func:`.flush.scratch_words`): Y / Q [V, 4] (later 1 / s_k), two Gram matrices per ITERS,
     c, fp16(Q) [V, 4], exp(pcum) [K] (later the column sums of |E|)."""
     o_reg = i_s * SS + i_h * HS
     p_y = scratch + o_scr
@@ -152,17 +143,6 @@ def _region_and_scratch(scratch, scratch16, o_scr, i_s, i_h, SS, HS, K: tl.const
     p_q16 = scratch16 + (o_scr + 32 * ITERS + 4 * V + 4) * 2
     p_e = p_cn + 4 + 2 * V
     return o_reg, p_y, p_gram, p_cn, p_q16, p_e
-
-
-@triton.jit
-def _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, o_reg, i_sh, K: tl.constexpr, V: tl.constexpr,
-                   L: tl.constexpr, IS_KDA: tl.constexpr):
-    """The pair's checkpoint region at word ``o_reg`` (codes as the [V, K] tile, s_k | s_v, uq) and its kbuf, ubuf,
-    w, pcum and gbuf rows (row ``i_sh``)."""
-    o_k, o_v = tl.arange(0, K), tl.arange(0, V)
-    p_c = codes + o_reg * 4 + o_v[:, None] * K + o_k[None, :]
-    return (p_c, skv + o_reg, uq + o_reg * 2, kbuf + i_sh * (L * K), ubuf + i_sh * (L * V), w + i_sh * L,
-            pcum + i_sh * (K if IS_KDA else 1), gbuf + i_sh * (L * K))
 
 
 @triton.jit
@@ -249,7 +229,7 @@ def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, p_q0, p_e, p_qt, m_q, K
         tl.store(p_e + o_k, tl.exp(b_pc))
     tl.debug_barrier()
     # the codes to fp32 by an integer add, not I2F; ``/`` here and in _quantise is the fast division (2 ulp)
-    b_cf = (b_c.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+    b_cf = (b_c.to(tl.int32) + ROUND_MAGIC_BITS).to(tl.float32, bitcast=True) - ROUND_MAGIC
     b_s = b_cf * (b_sv / QMAX)[:, None] * b_sk[None, :]
     b_s = tl.dot(b_qo, b_uo, acc=b_s)
     if IS_KDA:
@@ -405,10 +385,10 @@ def _column_scales(b_s, p_skv, p_e, p_y, K: tl.constexpr, V: tl.constexpr, BF16_
 
 @triton.jit
 def _quantise(b_x):
-    """Step 9: (codes, s_v); |X| <= s_v needs no clamp, and the low byte of x + RINT_MAGIC is the code."""
+    """Step 9: (codes, s_v); |X| <= s_v needs no clamp, and the low byte of x + ROUND_MAGIC is the code."""
     b_sv = tl.maximum(tl.max(tl.abs(b_x), axis=1), EPS)
     b_x = b_x * ((tl.zeros_like(b_sv) + QMAX) / b_sv)[:, None]
-    return (b_x + RINT_MAGIC).to(tl.int32, bitcast=True).to(tl.int8), b_sv
+    return (b_x + ROUND_MAGIC).to(tl.int32, bitcast=True).to(tl.int8), b_sv
 
 
 @triton.jit
@@ -432,6 +412,20 @@ def _reset_ring(p_w, p_pc, p_g, o_k, o_l, m_l, K: tl.constexpr, BL: tl.constexpr
         tl.store(p_g + o_l[:, None] * K + o_k[None, :], tl.full([BL, K], 1.0, dtype=tl.float16), mask=m_l[:, None])
     else:
         tl.store(p_pc, 1.0)
+
+
+@triton.jit
+def _compress(b_s, p_c, p_skv, p_uq, p_w, p_pc, p_g, p_y, p_gram, p_cn, p_q16, p_qt, m_q, p_e, o_k, o_v, o_l, o_r, m_l,
+              m_r, K: tl.constexpr, V: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr,
+              ITERS: tl.constexpr, IS_KDA: tl.constexpr, BF16_DOTS: tl.constexpr):
+    """Steps 5-10 on the state ``b_s`` from fp16(Q0) at ``p_q16``: the new checkpoint stored, the ring reset."""
+    _subspace_iteration(b_s, p_y, p_gram, p_cn, p_q16, p_qt, m_q, V, R, BR, ITERS)
+    b_q16, b_ut16 = _new_factors(b_s, p_cn, p_qt, m_q)
+    b_s = _residual(b_s, b_q16, b_ut16)
+    b_s = _column_scales(b_s, p_skv, p_e, p_y, K, V, BF16_DOTS)
+    b_c, b_sv = _quantise(b_s)
+    _store_checkpoint(p_c, p_skv, p_uq, b_c, b_sv, b_ut16, b_q16, o_k, o_v, o_r, m_r, K, V)
+    _reset_ring(p_w, p_pc, p_g, o_k, o_l, m_l, K, BL, IS_KDA)
 
 
 # --- the flush --------------------------------------------------------------------------------------------------------
@@ -484,10 +478,5 @@ def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum,
     # nothing for an empty ring (both schedules): its w and pcum come from L1 after the rebuild's loads
     if not _ring_has_entries(p_w, p_pc, K, L, BL, IS_KDA):
         return
-    _subspace_iteration(b_s, p_y, p_gram, p_cn, p_q16, p_qt, m_q, V, R, BR, ITERS)
-    b_q16, b_ut16 = _new_factors(b_s, p_cn, p_qt, m_q)
-    b_s = _residual(b_s, b_q16, b_ut16)
-    b_s = _column_scales(b_s, p_skv, p_e, p_y, K, V, BF16_DOTS)
-    b_c, b_sv = _quantise(b_s)
-    _store_checkpoint(p_c, p_skv, p_uq, b_c, b_sv, b_ut16, b_q16, o_k, o_v, o_r, m_r, K, V)
-    _reset_ring(p_w, p_pc, p_g, o_k, o_l, m_l, K, BL, IS_KDA)
+    _compress(b_s, p_c, p_skv, p_uq, p_w, p_pc, p_g, p_y, p_gram, p_cn, p_q16, p_qt, m_q, p_e, o_k, o_v, o_l, o_r, m_l,
+              m_r, K, V, R, BL, BR, ITERS, IS_KDA, BF16_DOTS)
