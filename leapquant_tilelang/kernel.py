@@ -258,15 +258,8 @@ def inv_pivot(d, gii):
 @tilelang.jit(pass_configs={"tl.disable_thread_storage_sync": True})
 def flush_kernel(
     # task config
-    num_slots: int,
-    heads: int = 32,
-    head_k: int = 128,
-    head_v: int = 128,
-    ring: int = 16,
-    rank: int = 4,
-    gate: str = "kda",
-    first_slot: int = 1,
-    iters: int = 1,
+    num_slots: int, heads: int = 32, head_k: int = 128, head_v: int = 128, ring: int = 16, rank: int = 4,
+    gate: str = "kda", first_slot: int = 1, iters: int = 1,
     # kernel config
     sms: int = 132,
     groups: int = 3,
