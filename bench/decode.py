@@ -2,6 +2,7 @@
 
     python -m bench.decode                   # on a GPU: KDA, 256 sequences x 32 heads, K = V = 128, ring 16
     python -m bench.decode --cpu-smoke       # the same path on the CPU: tiny sizes, the reference backend, no FLA
+    python -m bench.decode --baseline DIR    # also LeapQuant's cases under DIR's packages, in the same run
 
 Writes ``<out>/decode_<device>.json`` and ``.md``. Every case is captured in a CUDA graph and replayed (before each
 replay, outside the timed region: the fill counts and rings the step changes are restored, L2 is evicted); medians
@@ -15,14 +16,21 @@ Cases (q, k, v bf16; g, beta fp32; o bf16):
   the others spread evenly over fills 1..15;
 * ``fla fp32`` / ``fla bf16``: FLA's ``fused_recurrent_kda_fwd`` with the state updated in place in a slot pool of
   that dtype (``inplace_final_state``, ``ssm_state_indices``, ``state_v_first``), what engines run today.
+
+``--baseline DIR``: DIR holds another version's ``leapquant``, ``leapquant_triton`` and ``leapquant_tilelang``
+packages (as for ``python -m bench --baseline``); LeapQuant's cases are then timed again with those packages first on
+the path, in a subprocess right after this tree's, as ``<case>@baseline`` rows beside their own floor.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,9 +84,22 @@ def _fills(pool, slots, fill_of_head):
         pool.gbuf[slots] = torch.where(past[..., None], torch.ones_like(pool.gbuf[slots]), pool.gbuf[slots])
 
 
+def _fill_and_name():
+    """``fill`` and a function naming the step's backend, from this tree or a --baseline tree older than them."""
+    try:
+        from leapquant.tools.workloads import fill
+    except ImportError:
+        from leapquant.workloads import fill
+    try:
+        leapquant.select(leapquant.Pool(2, 1, 64, 64), "auto", op="step")
+        return fill, lambda pool, backend: leapquant.select(pool, backend, op="step").name
+    except TypeError:
+        return fill, lambda pool, backend: leapquant.ops.select_step(pool, backend).name
+
+
 def run(device: torch.device, batch: int, heads: int, key_heads: int, gate: str, backend: str, budget_s: float,
         with_fla: bool) -> dict:
-    from leapquant.tools.workloads import fill
+    fill, step_backend = _fill_and_name()
 
     gen = torch.Generator().manual_seed(0)
     B, HV, H = batch, heads, key_heads
@@ -148,7 +169,7 @@ def run(device: torch.device, batch: int, heads: int, key_heads: int, gate: str,
     return {
         "what": "decode step timings beside their floors (bench/decode.py)",
         "case": {"batch": B, "heads": HV, "key_heads": H, "head_k": K, "head_v": V, "ring": L, "gate": gate,
-                 "backend": leapquant.select(pool, backend, op="step").name},
+                 "backend": step_backend(pool, backend)},
         "device": device_info(device), "driver": smi.get("driver"), "cpu": platform.processor(),
         "versions": {m: module_version(m) for m in ("leapquant", "torch", "triton", "fla")},
         "bandwidth": bw, "cases": cases,
@@ -169,7 +190,11 @@ def markdown(doc: dict) -> str:
     for r in doc["cases"]:
         lines.append(f"| {r['case']} | {r['median_us']:.1f} us | {r['floor_us']:.1f} us | {r['x_floor']:.2f} |")
     t = {r["case"]: r["median_us"] for r in doc["cases"]}
-    ratios = [f"{layer} / {other} = {t[layer] / t[other]:.2f}" for layer in t if layer.startswith("decode layer")
+    against = [f"{name}: {100 * (t[name] / t[f'{name}@baseline'] - 1):+.1f} %" for name in t
+               if f"{name}@baseline" in t]
+    if against:
+        lines += ["", f"Against the baseline ({doc['baseline']}), same run: " + "; ".join(against) + "."]
+    ratios = [f"{layer} / {other} = {t[layer] / t[other]:.2f}" for layer in t if layer == "decode layer"
               for other in ("step fill 8", "fla fp32", "fla bf16") if other in t]
     if ratios:
         lines += ["", "Ratios (issue bounds: step fill 8 <= 1.3x its floor; decode layer <= 1.25x step, <= 0.3x fla "
@@ -190,6 +215,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default="auto", help="leapquant backend of the step (default auto)")
     ap.add_argument("--budget", type=float, default=None, help="seconds of replays per case (default 2)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"), help="output folder")
+    ap.add_argument("--baseline", default=None, metavar="DIR",
+                    help="also time LeapQuant's cases under the packages in DIR (see above)")
+    ap.add_argument("--json-only", default=None, metavar="FILE", help=argparse.SUPPRESS)  # the baseline's run
     args = ap.parse_args(argv)
     cpu = args.cpu_smoke
     if not cpu and not torch.cuda.is_available():
@@ -200,7 +228,14 @@ def main(argv=None) -> int:
     batch = args.batch or (3 if cpu else 256)
     heads = args.heads or (2 if cpu else 32)
     doc = run(device, batch, heads, args.key_heads or heads, args.gate, "reference" if cpu else args.backend,
-              args.budget or (0.05 if cpu else 2.0), with_fla=not cpu and args.gate == "kda")
+              args.budget or (0.05 if cpu else 2.0), with_fla=not cpu and args.gate == "kda" and not args.json_only)
+    if args.json_only:
+        Path(args.json_only).write_text(json.dumps(doc))
+        return 0
+    if args.baseline:
+        doc["baseline"] = str(Path(args.baseline).resolve())
+        rows = _baseline_cases(doc["baseline"], argv if argv is not None else sys.argv[1:])
+        doc["cases"] += [dict(r, case=f"{r['case']}@baseline") for r in rows]
     slug = "cpu" if cpu else device_slug(doc["device"]["name"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -208,6 +243,27 @@ def main(argv=None) -> int:
     (out / f"decode_{slug}.md").write_text(markdown(doc))
     print(markdown(doc))
     return 0
+
+
+def _baseline_cases(baseline: str, argv: list[str]) -> list[dict]:
+    """LeapQuant's cases timed by this file under ``baseline``'s packages: run from that folder (``python -m`` puts
+    it first on the path), with this tree next so that ``bench`` itself still comes from here."""
+    here = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([baseline, here] + (
+        [os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "baseline.json"
+        rest, skip = [], False
+        for a in argv:  # the same case, without this run's --baseline and --out
+            if skip:
+                skip = False
+            elif a in ("--baseline", "--out"):
+                skip = True
+            elif not a.startswith(("--baseline=", "--out=")):
+                rest.append(a)
+        subprocess.run([sys.executable, "-m", "bench.decode", *rest, "--json-only", str(out)], cwd=baseline, env=env,
+                       check=True)
+        return json.loads(out.read_text())["cases"]
 
 
 if __name__ == "__main__":

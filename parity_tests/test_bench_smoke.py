@@ -93,3 +93,28 @@ def test_decode_bench_smoke(tmp_path):
     m = doc["memory_per_sequence"]
     assert m["fp32"] == 2 * m["bf16"] == 2 * 2 * 128 * 128 * 2
     assert "| decode layer |" in (tmp_path / "decode_cpu.md").read_text()
+
+
+def test_decode_bench_baseline_runs_the_other_tree(tmp_path):
+    """``--baseline DIR`` times LeapQuant's cases again under DIR's packages: a copy whose ``step`` marks each call
+    shows that the ``@baseline`` rows came from it."""
+    import shutil
+
+    from bench import decode
+
+    root = Path(__file__).resolve().parents[1]
+    base = tmp_path / "base"
+    for pkg in ("leapquant", "leapquant_triton", "leapquant_tilelang"):
+        shutil.copytree(root / pkg, base / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    mark = tmp_path / "baseline_step_ran"
+    init = base / "leapquant" / "__init__.py"
+    init.write_text(init.read_text() + f"\n_step = step\n\n\ndef step(*a, **k):\n    open({str(mark)!r}, 'a').close()\n"
+                    "    return _step(*a, **k)\n")
+    out = tmp_path / "out"
+    assert decode.main(["--cpu-smoke", "--batch", "2", "--heads", "2", "--out", str(out), "--baseline", str(base)]) == 0
+    doc = json.loads((out / "decode_cpu.json").read_text())
+    names = [r["case"] for r in doc["cases"]]
+    assert names == ["step fill 1", "step fill 8", "step fill 15", "decode layer", "step fill 1@baseline",
+                     "step fill 8@baseline", "step fill 15@baseline", "decode layer@baseline"]
+    assert mark.exists()
+    assert "Against the baseline" in (out / "decode_cpu.md").read_text()
