@@ -19,7 +19,7 @@ results are checked: ``states`` against the reference to fp32 rounding, ``load_s
 
 The same run times ``leapquant.flush(..., check=False)`` of an engine-layout pool and of a compact one (SPEC §2) with
 the same contents, all due and 1/16 due (the rings restored before each replay): the compact layout must not make the
-flush slower (issue 24: within 5 %).
+flush slower (within 5 %).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import leapquant
 
 from .timing import capture, copy_bandwidth, device_info, device_slug, module_version, nvidia_smi, time_replays
 
-# issue 24's targets at 256 x 32 heads: x floor
+# the targets at 256 x 32 heads, x floor (docs/DESIGN.md, "Triton: states in and out")
 TARGETS = {"load_states": 4.0, "states": 1.5}
 # the compact layout's flush over the engine layout's, at most
 LAYOUT_TARGET = 1.05

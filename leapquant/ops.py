@@ -1,4 +1,5 @@
-"""The public flush: ``flush`` (in place on a pool) and ``run`` (functional), and the ``torch.library`` op behind them.
+"""The public operations: ``flush`` and ``step`` (in place on a pool), ``run`` (a functional flush), ``select`` (which
+backend runs one), and the ``torch.library`` ops behind ``flush`` and ``step``.
 
 Under ``torch.compile``, ``flush`` goes through the custom op ``leapquant::flush``, which declares the pool tensors it
 mutates and has a fake implementation, so the compiled graph holds one opaque op. In eager code (and under CUDA-graph

@@ -39,7 +39,7 @@ class TritonBackend(Backend):
         ranks=SUPPORTED_RANKS,
     )
     max_iters = 2
-    not_for_auto = {"cpu": "the interpreter checks the kernel; it is about 15x slower than the reference"}
+    not_for_auto = {"cpu": "the interpreter checks the kernel; it is far slower than the reference"}
 
     def available(self) -> tuple[bool, str]:
         try:
@@ -53,7 +53,7 @@ class TritonBackend(Backend):
         if torch.cuda.is_available() or interpreting():
             return True, "ok"
         return False, ("no CUDA device; on a CPU the Triton backend runs through Triton's interpreter: set "
-                       "TRITON_INTERPRET=1 before importing triton (correct, but about 15x slower than the reference)")
+                       "TRITON_INTERPRET=1 before importing triton (correct, but far slower than the reference)")
 
     def supports(self, pool: "Pool") -> tuple[bool, str]:
         ok, why = self.available()

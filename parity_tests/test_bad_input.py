@@ -2,7 +2,7 @@
 may not write unchanged (compared as bytes: int8 codes read as fp32 can be NaN, and NaN != NaN). SPEC §5,
 "Guarantees".
 
-The cases of issue 26, each with a test that fails on the code before the change (the issue's numbering):
+The cases the reliability guarantees were built for, each with a test that failed on the code before them:
 
 1. a second flush with no token in between re-compressed: ``test_flush_twice_changes_nothing``,
    ``test_step_after_flush_is_the_step``;

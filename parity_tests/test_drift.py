@@ -1,4 +1,4 @@
-"""Decode drift (issue 23): a long decode through ``leapquant.step`` tracks the exact float64 recurrence with the
+"""Decode drift: a long decode through ``leapquant.step`` tracks the exact float64 recurrence with the
 simulation's LeapQuant output error and shows no upward trend, for every backend with a decode step here.
 
 The criteria and why are :func:`leapquant.tools.drift.drift_check`'s docstring; every expected value is an error

@@ -1,4 +1,4 @@
-"""The decode simulation (issue 3): LeapQuant's drift from the exact recurrence, pinned with measured margins.
+"""The decode simulation: LeapQuant's drift from the exact recurrence, pinned with measured margins.
 
 Bounds below were set from runs on the CPU (torch 2.13, one thread, seed 0); each carries the value it was measured
 at. The streams are deterministic, so a change in a bound's measured value means the numerics changed.

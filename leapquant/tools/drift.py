@@ -1,4 +1,4 @@
-"""The decode-drift check (issue 23): a decode through ``leapquant.step`` tracks the exact float64 recurrence with the
+"""The decode-drift check: a decode through ``leapquant.step`` tracks the exact float64 recurrence with the
 simulation's LeapQuant output error and shows no upward trend (:func:`drift_check`; ``parity_tests/test_drift.py``,
 and the GPU suite with the full 2,048 tokens).
 """
@@ -38,7 +38,7 @@ def _quarters(e: torch.Tensor, full: bool = True) -> tuple[float, float]:
 
 def drift_check(backend: str = "triton", *, device: str | torch.device = "cuda", tokens: int = DRIFT_FULL,
                 gates: Sequence[str] = ("kda", "gdn"), seed: int = 0) -> list[dict]:
-    """The decode-drift criteria of issue 23 for one backend: a decode of ``tokens`` tokens through ``step`` tracks the
+    """The decode-drift criteria for one backend: a decode of ``tokens`` tokens through ``step`` tracks the
     exact float64 recurrence with the simulation's LeapQuant output error and shows no upward trend.
 
     The **simulation's LeapQuant output error** is that of the reference path of the same stream: :func:`drift` with

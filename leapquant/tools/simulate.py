@@ -1,4 +1,4 @@
-"""Decode simulation: how far LeapQuant's decode drifts from the exact KDA / GDN recurrence (issues 3 and 23).
+"""Decode simulation: how far LeapQuant's decode drifts from the exact KDA / GDN recurrence.
 
     python -m leapquant simulate --out DIR            # the same as python -m leapquant.tools.simulate
 
