@@ -88,7 +88,9 @@ def run_pytest(out: Path, profile: str, keyword: str, budget: float, workers: in
     which run the tests side by side on the machine's cores. Returns (exit code, counts per property, failures)."""
     log = out / "pytest.log"
     env = dict(os.environ, HYPOTHESIS_PROFILE=profile)
-    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=20", "-p", "no:cacheprovider", "parity_tests"]
+    # every test, the slow ones too (the default run leaves them out: pyproject.toml)
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=20", "-p", "no:cacheprovider",
+           "-m", "slow or not slow", "parity_tests"]
     if pytest_processes(workers) > 1:
         cmd += ["-n", str(workers)]
     if keyword:

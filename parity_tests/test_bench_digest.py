@@ -37,6 +37,7 @@ def _digest(*args: str) -> subprocess.CompletedProcess:
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow  # python -m pytest -m slow (CI runs it)
 @pytest.mark.parametrize("tamper", [False, True], ids=["same-packages", "one-bit-flipped"])
 def test_baseline_comparison(tmp_path, tamper):
     res = _digest("--baseline", str(_baseline(tmp_path, tamper)))
@@ -59,6 +60,7 @@ def test_unknown_backend_is_refused():
     assert "--backends: fla; choose from triton, tilelang, reference" in res.stderr
 
 
+@pytest.mark.slow  # python -m pytest -m slow (CI runs it)
 def test_without_a_gpu_backend_it_says_so_and_fails():
     """On a CPU the default backends (Triton, TileLang) flush nothing: ``bench.digest`` must not report success."""
     import torch

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import leapquant
 from bench.flush import floor_bytes, plan, program_bytes
 
@@ -27,6 +29,7 @@ def test_floor_bytes_match_the_seed_measurement():
     assert pg["ring"] == 4096 + 4096 + 64 + 4 and pg["resets"] == 64 + 4
 
 
+@pytest.mark.slow  # python -m pytest -m slow (CI runs it)
 def test_cpu_smoke_end_to_end(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "bench", "--cpu-smoke", "--out", str(tmp_path),

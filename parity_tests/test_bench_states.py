@@ -23,7 +23,7 @@ def test_floor_bytes_by_hand():
     assert (tg["ring"], tg["resets"]) == (4096 + 4096 + 64 + 4, 64 + 4)
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.slow)])
 def test_cpu_smoke(tmp_path, backend):
     """Every case timed beside a positive floor, the check after timing passed, the JSON and markdown written; the
     Triton backend through its interpreter."""

@@ -22,7 +22,8 @@ INTERPRETED_TOKENS = 128
 registry = importlib.import_module("leapquant.registry")
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")  # parity_tests/conftest.py
+# slow: minutes through the interpreter (python -m pytest -m slow; CI runs it)
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"), pytest.mark.slow]  # parity_tests/conftest.py
 
 
 def _failures(rows):

@@ -120,6 +120,7 @@ def test_value_domain(backend_device, log2_scale):
         assert math.isfinite(float(pool.s_kv[1:].abs().max()))
 
 
+@pytest.mark.slow  # python -m pytest -m slow (CI runs it)
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_batch_rms(backend_device, gate):
     """Over a batch of every regime, the RMS of err_backend / err_ref stays <= 1.003 (SPEC §4)."""

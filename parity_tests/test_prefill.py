@@ -15,7 +15,8 @@ from leapquant.tools.prefill import SIMULATION_OUTPUT_WORST, failures, main, rou
 from .conftest import compute_devices  # noqa: E402
 
 
-@pytest.mark.parametrize("gate,backend", [("kda", "reference"), ("gdn", "reference"), ("kda", "triton")])
+@pytest.mark.parametrize("gate,backend", [("kda", "reference"), ("gdn", "reference"),
+                                          pytest.param("kda", "triton", marks=pytest.mark.slow)])
 def test_round_trip_within_the_simulation_error(gate, backend):
     """Decode and resumed outputs within the decode simulation's worst LeapQuant output error of FLA's exact
     continuation; a ring flushed inside the decode (20 tokens, ring 16); FLA's own fp32 continuation within 1e-4 of

@@ -21,6 +21,7 @@ STATE_WORST = {"kda": (2.5e-2, 4.0e-2), "gdn": (2.5e-2, 6.0e-2)}  # kda: 1.38e-2
 OUTPUT_WORST = (2.5e-2, 1.2e-2)  # synthetic, structured; kda: 1.65e-2, 5.78e-3; gdn: 1.49e-2, 6.93e-3
 
 
+@pytest.mark.slow  # python -m pytest -m slow (CI runs it)
 @pytest.mark.parametrize("gate", ["kda", "gdn"])
 def test_rank4_stays_bounded_without_drift(gate):
     """2,048 tokens of each stream kind, 2 heads: LeapQuant rank 4 stays under a fixed error, does not trend up where
@@ -51,6 +52,7 @@ def test_rank4_stays_bounded_without_drift(gate):
         assert r4["output_final"] <= 0.7 * i8["output_final"], (stream, r4["output_final"], i8["output_final"])
 
 
+@pytest.mark.slow  # python -m pytest -m slow (CI runs it)
 def test_backend_curves_overlay_the_reference(backend_device):
     """The same LeapQuant method flushed by each backend that runs here tracks the reference's curve (128 tokens,
     8 flushes). measured for triton (interpreter): state error ratio per head 0.992..1.030, of the mean curve

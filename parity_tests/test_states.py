@@ -247,6 +247,7 @@ def test_cuda_graph_capture(gate):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow  # python -m pytest -m slow (CI runs it)
 def test_ahead_of_time_builds_fit():
     """Both kernels in both layouts compile for sm_90 (the H200) with Triton's own pipeline and fit as the flush's
     builds must (registers, spills <= 2 KB, shared memory, mma.sync): ``python -m leapquant_triton.portability

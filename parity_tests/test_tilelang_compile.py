@@ -18,6 +18,9 @@ tvm = pytest.importorskip("tvm")
 
 from leapquant_tilelang.kernel import DUE_LIST_MAX, flush_kernel  # noqa: E402
 
+# slow: each lowering and nvcc compile takes seconds (python -m pytest -m slow; CI runs it)
+pytestmark = pytest.mark.slow
+
 # SM count of the targets' parts (H200, B200) and their shared-memory limit per block (opt-in maximum)
 TARGETS = {"sm_90a": (132, 227 * 1024), "sm_100a": (148, 228 * 1024)}
 THREADS = 32 + 3 * 128  # producer warp + three consumer groups

@@ -38,6 +38,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     return _python("-m", "leapquant_triton.portability", *args)
 
 
+@pytest.mark.slow  # python -m pytest -m slow (CI runs it)
 def test_claimed_architectures_fit():
     res = _run("--quick", "--ops", "flush,step", "--arch", ",".join(map(str, SUPPORTED_CAPABILITIES)))
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
@@ -70,6 +71,7 @@ def test_mma_family(ptx, family):
     assert mma_family(ptx) == family
 
 
+@pytest.mark.slow  # python -m pytest -m slow (CI runs it)
 def test_list_build_prefetches_from_sm_90_only():
     """The AOT check compiles the list build as an H200 launches it, with the L2 prefetch of the pair one round ahead
     (flush.prefetch_ahead: five bulk prefetches), and the sm_80 list build and the grid builds without it."""
@@ -86,6 +88,7 @@ def test_list_build_prefetches_from_sm_90_only():
                    ("90", "grid"): ["True", "0"]}, res.stdout
 
 
+@pytest.mark.slow  # python -m pytest -m slow (CI runs it)
 def test_unclaimed_target_reported_not_failed():
     """sm_75 (no bf16 tensor cores: FMA dots that spill) is compiled and reported as not fitting the flush, and does
     not fail the check because the backend does not claim the flush there; the step is claimed on sm_75, where its
@@ -106,6 +109,7 @@ def test_unknown_architecture_rejected():
     assert res.returncode != 0 and "unknown architectures" in res.stderr
 
 
+@pytest.mark.slow  # python -m pytest -m slow (CI runs it)
 def test_check_fails_a_wgmma_build():
     """The mma check can fail: compiled for sm_90 without ``mma_sync_only``, Triton takes wgmma and the check says
     so (the build the backend must never launch)."""
