@@ -69,7 +69,7 @@ from tilelang.layout import make_swizzled_layout
 from tvm.ir import PrimExpr
 from tvm.script.ir_builder import IRBuilder
 
-from leapquant.constants import EPS, FLOOR, PNMIN, QMAX, TINY
+from leapquant.constants import EPS, FLOOR, PNMIN, QMAX, ROUND_MAGIC, TINY
 
 F32, F16, BF16, I32 = "float32", "float16", "bfloat16", "int32"
 
@@ -85,7 +85,7 @@ CODE_SIGN_FLIP = -2139062144  # 0x80808080 as int32: flips each packed code's si
 F32_TWO23 = 0x4B000000  # fp32 bits of 2^23: a byte in the low mantissa bits reads 2^23 + byte
 BYTE_TO_F32 = 0x7650  # __byte_perm selector: byte 0..3 (added) of the codes under the upper bytes of 2^23
 TWO23_PLUS_BIAS = 8388736.0  # 2^23 + 128: takes off the magic number and the code bias
-ROUND_MAGIC = 12582912.0  # 1.5 x 2^23: adding it rounds half to even and leaves the integer in the low bits
+
 PACK_LOW_BYTES = 0x0040  # __byte_perm selector: low bytes of x and y into bytes 0 and 1
 PACK_LOW_HALVES = 0x5410  # __byte_perm selector: low halfwords of x and y
 

@@ -169,6 +169,21 @@ def test_bad_inputs_are_named():
         leapquant.step(pool, idx, q, k, v, g, beta, backend="tilelang")
 
 
+@pytest.mark.parametrize("pool_gate", ["kda", "gdn"])
+def test_a_gate_of_the_other_kind_is_named(pool_gate):
+    """A KDA-shaped ``g`` on a GDN pool (and the reverse) is refused with a message that says which gate the pool
+    takes and its shape, whatever form the tensor's dimensions happen to fit."""
+    B, HV, K = 2, 2, 64
+    pool = leapquant.Pool(B + 1, HV, K, K, 8, 2, gate=pool_gate)
+    idx = torch.tensor([1, 2], dtype=torch.int32)
+    q, k, v, beta = torch.randn(B, HV, K), torch.randn(B, HV, K), torch.randn(B, HV, K), torch.rand(B, HV)
+    want = r"the GDN gate here, \[B, HV\]" if pool_gate == "gdn" else r"the KDA gate here, \[B, HV, K\]"
+    other = [torch.zeros(B, HV, K), torch.zeros(B, 1, HV, K)] if pool_gate == "gdn" else [torch.zeros(B, HV)]
+    for g in other:
+        with pytest.raises(ValueError, match=want):
+            leapquant.step(pool, idx, q, k, v, g, beta, backend="reference")
+
+
 def test_step_under_torch_compile():
     """``leapquant.step(..., check=False)`` compiles with fullgraph=True (the custom op leapquant::step) and gives the
     eager call's output and pool bytes."""
