@@ -89,6 +89,39 @@ def _in_storage(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} reaches byte {end} of its storage, which holds only {have} bytes")
 
 
+def check_in_storage(t: torch.Tensor, name: str) -> None:
+    """Every element of ``t`` lies inside its storage (metadata only): a kernel given a tensor whose storage is
+    shorter than its shape and strides say would read or write past the allocation."""
+    _in_storage(t, name)
+
+
+def check_no_self_overlap(t: torch.Tensor, name: str) -> None:
+    """No two elements of ``t`` share memory (an expanded or stride-0 view written by a kernel would give each
+    element the last writer's value): with the dimensions ordered by stride, each stride reaches past everything the
+    smaller ones span."""
+    dims = sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n > 1), key=lambda d: d[1])
+    reach = 1
+    for size, stride in dims:
+        if stride < reach:
+            raise ValueError(f"{name} must not have elements that share memory (shape {list(t.shape)}, strides "
+                             f"{t.stride()}): it is written")
+        reach += stride * (size - 1)
+
+
+def check_disjoint(written: dict, others: dict) -> None:
+    """No tensor of ``written`` (name -> tensor, what a call writes) shares a byte with another of ``written`` or
+    with one of ``others`` (name -> tensor or None: what the call reads or the pool holds). Metadata only, by the
+    byte ranges the tensors span in their storages."""
+    spans = [(name, t.untyped_storage().data_ptr(), *_extent(t)) for name, t in written.items()
+             if t is not None and t.numel()]
+    rest = [(name, t.untyped_storage().data_ptr(), *_extent(t)) for name, t in others.items()
+            if t is not None and t.numel()]
+    for i, (a, ptr_a, lo_a, hi_a) in enumerate(spans):
+        for b, ptr_b, lo_b, hi_b in spans[i + 1:] + rest:
+            if ptr_a == ptr_b and lo_a < hi_b and lo_b < hi_a:
+                raise ValueError(f"{a} and {b} share memory: what a call writes needs bytes of its own")
+
+
 def _dense(t, name: str, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
     _expect(t, name, dtype, shape, device)
     if not t.is_contiguous():
