@@ -11,9 +11,12 @@ gates:
   as ``idx`` naming each once (the kernels would otherwise flush a region from two programs at once), on pools of 9
   and 129 slots (8 and 128 named).
 
-``--sanitize``: only the repeated-slot flush, once per backend and gate, on a small pool, for
-``compute-sanitizer --tool memcheck|racecheck python -m parity_tests.gpu_reliability --sanitize`` (the tool's
-report is the check). Prints one line per check and exits non-zero if any fails.
+``--sanitize``: only the repeated-slot flush and the decode step with the shortest legal storages (every token
+tensor, ``idx`` and ``out`` in a storage that ends at its last element, one ``q`` strided; some fill counts outside
+``[0, L]``, whose programs ``check=False`` leaves undefined but must keep inside the row's own bytes), once per
+backend and gate, on a small pool, for ``compute-sanitizer --tool memcheck|racecheck python -m
+parity_tests.gpu_reliability --sanitize`` (the tool's report is the check). Prints one line per check and exits
+non-zero if any fails.
 """
 
 from __future__ import annotations
@@ -89,6 +92,39 @@ def repeated_slots(backend: str, gate: str, slots: int = 9, heads: int = 32) -> 
     return [f"idx with each slot three times differs from once in {changed}"] if changed else []
 
 
+def _exact(shape: tuple, dtype: torch.dtype, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """A random tensor of ``shape`` whose storage holds exactly its elements: one element more read or written is
+    outside the allocation, which memcheck reports."""
+    t = torch.empty(int(torch.tensor(shape).prod()), dtype=dtype, device="cuda")
+    t.copy_((scale * torch.randn(t.numel(), generator=gen)).to(dtype))
+    return t.view(shape)
+
+
+def step_shortest_storages(backend: str, gate: str) -> list[str]:
+    """``leapquant.step(check=False)`` on tensors at their shortest legal storages, with full rings (flushed inside),
+    in-range fills, and fill counts of L + 5 and -3 on two rows; the outputs of real rows finite."""
+    B, HV, K, V = 4, 32, 128, 128
+    pool = _pool(gate, B + 1, HV, seed=7)
+    gen = torch.Generator().manual_seed(11)
+    pool.hcnt[1, :4] = pool.ring + 5
+    pool.hcnt[2, :4] = -3
+    idx = torch.empty(B, dtype=torch.int32, device="cuda")
+    idx.copy_(torch.arange(1, B + 1, dtype=torch.int32))
+    # q strided: row n starts 2 K elements after row n - 1 (one head's gap), its storage ends at the last element
+    q = torch.empty((B - 1) * (HV * K + K) + HV * K, dtype=torch.bfloat16, device="cuda")
+    q.copy_(torch.randn(q.numel(), generator=gen).to(torch.bfloat16))
+    q = q.as_strided((B, HV, K), (HV * K + K, K, 1))
+    k = _exact((B, HV, K), torch.bfloat16, gen)
+    k.copy_(torch.nn.functional.normalize(k.float(), dim=-1))
+    v = _exact((B, HV, V), torch.bfloat16, gen)
+    g = -_exact((B, HV, K) if gate == "kda" else (B, HV), torch.float32, gen, 0.05).abs()
+    beta = _exact((B, HV), torch.float32, gen).abs().clamp_max(1.0)
+    out = _exact((B, HV, V), torch.bfloat16, gen)
+    leapquant.step(pool, idx, q, k, v, g, beta, out=out, backend=backend, check=False)
+    torch.cuda.synchronize()
+    return [] if bool(torch.isfinite(out[2:].float()).all()) else ["non-finite outputs on rows of in-range fills"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m parity_tests.gpu_reliability", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sanitize", action="store_true", help="only the repeated-slot flush, small (under a sanitizer)")
@@ -101,11 +137,13 @@ def main(argv=None) -> int:
     chosen = _backends() if args.backends is None else args.backends.split(",")
     for backend in chosen:
         for gate in ("kda", "gdn"):
-            checks = [("repeated slots", lambda: repeated_slots(backend, gate, 4))] if args.sanitize else [
+            step = [("step, short storages", lambda: step_shortest_storages(backend.split(":")[0], gate))] if (
+                backend.split(":")[0] in ("triton", "reference") and not backend.endswith(":list")) else []
+            checks = [("repeated slots", lambda: repeated_slots(backend, gate, 4))] + step if args.sanitize else [
                 ("replayed twice", lambda: replay_twice(backend, gate)),
                 ("repeated slots", lambda: repeated_slots(backend, gate)),
                 # 384 rows: TileLang's compaction keeps 130 in registers (KMAX = 10 at 129 slots), the rest in its tail
-                ("repeated, 129", lambda: repeated_slots(backend, gate, 129))]
+                ("repeated, 129", lambda: repeated_slots(backend, gate, 129))] + step
             for what, fn in checks:
                 try:
                     fails = fn()
