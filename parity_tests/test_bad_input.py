@@ -640,6 +640,7 @@ def test_load_states_input_aliasing_the_pool_is_refused(backend, case, check):
     which, words, _ = LOAD_ALIASED[case]
     if which == "states":
         slots, states = torch.tensor([1]), _region(pool, 4)
+        states.copy_(torch.randn(states.shape, generator=torch.Generator().manual_seed(2)))  # finite values
     else:
         pool.hcnt[1, 0] = 2
         slots, states = pool.hcnt[1, :1], torch.randn(1, pool.heads, pool.head_v, pool.head_k)
