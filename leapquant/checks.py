@@ -12,6 +12,7 @@ Never ``assert`` (stripped under ``python -O``). Two kinds of check (SPEC §5, "
 from __future__ import annotations
 
 import math
+import operator
 from typing import TYPE_CHECKING
 
 import torch
@@ -144,6 +145,9 @@ def check_pool_tensors(geo: "Geometry", tensors: dict, prefix: str = "") -> None
     if not isinstance(raw, torch.Tensor):
         raise TypeError(f"{prefix}raw must be a torch.Tensor, got {type(raw).__name__}")
     dev = raw.device
+    if dev.type == "meta":
+        raise ValueError(f"{prefix}raw is on the meta device, which holds no data: a pool needs memory its kernels "
+                         f"can read and write")
     want = {
         "raw": (torch.float32, (geo.raw_words,)),
         "kbuf": (torch.bfloat16, (NS, HV, L, K)),
@@ -239,11 +243,34 @@ def check_idx(pool: "Pool", idx) -> None:
 SLOT_DTYPES = (torch.int32, torch.int64)
 
 
+def _slot_list(slots, name: str) -> list[int]:
+    """The slots of a sequence (or a single slot) as Python ints: each must be an int or a numpy integer (anything
+    with ``__index__`` but a bool). A float or a bool would otherwise be cast (``[1.7, 2.2]`` naming slots 1 and 2,
+    ``[True, False]`` slot 1 and the null slot)."""
+    if isinstance(slots, (str, bytes)):
+        raise TypeError(f"{name} must be a sequence of ints or an integer tensor, got {type(slots).__name__}")
+    try:
+        items = list(slots)
+    except TypeError:
+        items = [slots]  # a single slot
+    out = []
+    for x in items:
+        if isinstance(x, (bool, torch.Tensor)) or type(x).__name__ == "bool_":
+            raise TypeError(f"{name} must hold Python ints (or numpy integers), got {type(x).__name__} {x!r}")
+        try:
+            out.append(operator.index(x))
+        except TypeError:
+            raise TypeError(f"{name} must hold Python ints (or numpy integers), got {type(x).__name__} "
+                            f"{x!r}") from None
+    return out
+
+
 def check_slots(pool: "Pool", slots, name: str = "slots", distinct: bool = False, check: bool = True) -> torch.Tensor:
-    """``slots`` as a 1-D integer tensor on the pool's device. ``check``: a sequence or an integer tensor, returned as
-    int64, every value in ``[0, NS)`` and, with ``distinct``, none twice (a repeated slot's writes would overwrite
-    each other), read on the host (a synchronisation). Without ``check``: metadata only, an int32 or int64 1-D
-    contiguous tensor on the pool's device, returned as it is."""
+    """``slots`` as a 1-D integer tensor on the pool's device. ``check``: a sequence of ints (bools and floats are
+    refused, not cast) or an integer tensor, returned as int64, every value in ``[0, NS)`` and, with ``distinct``,
+    none twice (a repeated slot's writes would overwrite each other); a tensor's values are read on the host (a
+    synchronisation). Without ``check``: metadata only, an int32 or int64 1-D contiguous tensor on the pool's device,
+    returned as it is. A tensor must lie inside its storage either way."""
     if not check:
         if not isinstance(slots, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor with check=False, got {type(slots).__name__}")
@@ -254,24 +281,32 @@ def check_slots(pool: "Pool", slots, name: str = "slots", distinct: bool = False
                              f"strides {slots.stride()}")
         if slots.device != pool.device:
             raise ValueError(f"{name} must be on the pool's device {pool.device}, got {slots.device}")
+        _in_storage(slots, name)
         return slots
-    if isinstance(slots, torch.Tensor) and (slots.is_floating_point() or slots.is_complex()
-                                            or slots.dtype == torch.bool):
-        raise TypeError(f"{name} must hold integers, got {slots.dtype}")
-    s = torch.as_tensor(slots, dtype=torch.long, device=pool.device).reshape(-1)
-    host = s.cpu()
-    if host.numel() and (int(host.min()) < 0 or int(host.max()) >= pool.num_slots):
-        raise ValueError(f"{name} must lie in [0, {pool.num_slots}), got {host.tolist()}")
-    if distinct and host.numel() != torch.unique(host).numel():
-        vals, counts = torch.unique(host, return_counts=True)
-        raise ValueError(f"{name} names slots more than once: {vals[counts > 1].tolist()}")
-    return s
+    if isinstance(slots, torch.Tensor):
+        if slots.is_floating_point() or slots.is_complex() or slots.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integers, got {slots.dtype}")
+        _in_storage(slots, name)  # before its values are read
+        s = slots.to(device=pool.device, dtype=torch.long).reshape(-1)
+        host = s.cpu().tolist()
+    else:
+        host = _slot_list(slots, name)
+        s = None
+    if host and (min(host) < 0 or max(host) >= pool.num_slots):
+        raise ValueError(f"{name} must lie in [0, {pool.num_slots}), got {host}")
+    if distinct and len(set(host)) != len(host):
+        seen, twice = set(), set()
+        for x in host:
+            (twice if x in seen else seen).add(x)
+        raise ValueError(f"{name} names slots more than once: {sorted(twice)}")
+    return s if s is not None else torch.tensor(host, dtype=torch.long, device=pool.device)
 
 
 def check_finite(t: torch.Tensor, name: str, bound: float = STATE_MAX) -> None:
     """``t`` finite with ``max|t| <= bound`` (a synchronisation)."""
     if not t.numel():
         return
+    t = t.detach()
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name} must be finite, got NaN or infinite values")
     m = float(t.abs().max())
@@ -338,6 +373,69 @@ def check_states_out(pool: "Pool", out, n: int, state_v_first: bool) -> None:
                          f"{out.shape[3]}, 1]), got strides {out.stride()}")
 
 
+def spans(tensors: dict, prefix: str = "") -> list[tuple]:
+    """``(name, storage address, first byte, last byte + 1)`` of each non-empty tensor of ``tensors`` (name -> tensor
+    or None), names after ``prefix``: the byte ranges :func:`check_apart` compares (a pool's, computed once after its
+    metadata was checked). Metadata only."""
+    return [(prefix + name, t.untyped_storage().data_ptr(), *_extent(t)) for name, t in tensors.items()
+            if t is not None and t.numel()]
+
+
+def check_apart(t: torch.Tensor, name: str, others: list, why: str) -> None:
+    """``t`` lies inside its storage and shares no byte with any tensor of ``others`` (:func:`spans`), else a
+    ValueError naming both and ``why``: :func:`check_in_storage` and :func:`check_disjoint` for one tensor against
+    byte ranges computed beforehand, in one pass over its metadata."""
+    if not t.numel():
+        return
+    st = t.untyped_storage()
+    lo, hi = _extent(t)
+    if hi > st.nbytes():
+        raise ValueError(f"{name} reaches byte {hi} of its storage, which holds only {st.nbytes()} bytes")
+    ptr = st.data_ptr()
+    for other, ptr_o, lo_o, hi_o in others:
+        if ptr == ptr_o and lo < hi_o and lo_o < hi:
+            raise ValueError(f"{name} and {other} share memory: {why}")
+
+
+def check_states_out_apart(pool: "Pool", out: torch.Tensor, slots: torch.Tensor) -> None:
+    """``Pool.states``' ``out`` (already :func:`check_states_out`) inside its storage, no two of its elements sharing
+    memory, and no byte shared with a pool tensor or ``slots``: it is written while those are read, and ``states``
+    writes nothing in the pool (SPEC §5.1). Metadata only."""
+    check_no_self_overlap(out, "out")
+    why = "states() writes out while it reads the pool and slots, and writes nothing in the pool"
+    check_apart(out, "out", pool.tensor_spans() + spans({"slots": slots}), why)
+
+
+def check_load_apart(pool: "Pool", states: torch.Tensor, slots: torch.Tensor) -> None:
+    """``load_states``' ``states`` and ``slots`` share no byte with the pool tensors it writes (all but ``q0``:
+    raw, kbuf, ubuf, w, pcum, gbuf, hcnt): a state or a slot read from bytes the call is writing would be corrupted.
+    Metadata only."""
+    written = [sp for sp in pool.tensor_spans() if sp[0] != "pool.q0"]
+    why = "load_states writes the pool while it reads them"
+    check_apart(states, "states", written, why)
+    check_apart(slots, "slots", written, why)
+
+
+def check_device(device) -> torch.device:
+    """``Pool``'s ``device`` as a torch.device that holds data and exists here, before anything is allocated: a
+    device type torch does not know, CUDA without a CUDA device, a GPU index past the count, and ``meta`` (which
+    holds no data: every tensor would start at address 0) raise a ValueError naming it."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must name a torch device, got {device!r} ({e})") from None
+    if dev.type == "meta":
+        raise ValueError(f"device={str(device)!r} holds no data: a pool needs memory its kernels can read and write "
+                         f"(use 'cpu' or 'cuda')")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r}: CUDA is not available here (torch {torch.__version__}, "
+                             f"torch.cuda.is_available() is False)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={str(device)!r}: there are only {torch.cuda.device_count()} CUDA devices")
+    return dev
+
+
 def check_append(pool: "Pool", slots, k, v, g, beta) -> tuple:
     """``Pool.append``'s arguments: distinct slots whose fill counts lie in ``[0, L]`` (``L``: flushed, next entry 0),
     and finite fp32 ``k [B, HV, K]``, ``v [B, HV, V]``, ``beta [B, HV]``, ``g`` (KDA ``[B, HV, K]``, GDN ``[B, HV]``)
@@ -355,7 +453,7 @@ def check_append(pool: "Pool", slots, k, v, g, beta) -> tuple:
             raise TypeError(f"append: {name} must be a floating-point tensor, got {t.dtype}")
         if tuple(t.shape) != shape:
             raise ValueError(f"append: {name} must be {list(shape)} for this pool ({pool.gate}), got {list(t.shape)}")
-        out[name] = t.to(pool.device, torch.float32)
+        out[name] = t.detach().to(pool.device, torch.float32)
         check_finite(out[name], f"append: {name}")
     g_max = 11.0 if pool.gate == "kda" else 88.0
     if out["g"].numel() and float(out["g"].max()) > g_max:

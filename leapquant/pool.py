@@ -9,15 +9,18 @@ Where each view lies in either layout is :mod:`leapquant.geometry`'s.
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
 
 from . import formulas
-from .checks import (POOL_BASE, check_append, check_geometry, check_iters, check_pool, check_pool_tensors, check_slots,
-                     check_state_tensor, check_state_values, check_states_out, state_shape)
+from .checks import (POOL_BASE, check_append, check_device, check_geometry, check_in_storage, check_iters,
+                     check_load_apart, check_pool, check_pool_tensors, check_slots, check_state_tensor,
+                     check_state_values, check_states_out, check_states_out_apart, spans, state_shape)
 from .constants import BASE_WORDS, EPS
 from .geometry import Convention, Gate, Geometry, Layout, view_layouts
+from .memory import ring_bytes
 from .registry import launch, resolve
 
 
@@ -32,6 +35,26 @@ def _restore(tensors: dict, geometry: dict, convention: str, iters: int) -> "Poo
 # them before it builds anything
 if hasattr(torch.serialization, "add_safe_globals"):
     torch.serialization.add_safe_globals([_restore])
+
+
+def pool_bytes(geo: Geometry) -> int:
+    """Bytes a pool of geometry ``geo`` allocates: ``raw`` (checkpoints), the rings with ``hcnt``, and ``q0``."""
+    per_head = ring_bytes(geo.head_k, geo.head_v, geo.ring, geo.gate)
+    return 4 * geo.raw_words + geo.num_slots * geo.heads * per_head + 4 * geo.head_v * geo.rank
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """The memory of ``device`` in bytes where it is known without allocating (a GPU's total, the host's physical
+    memory), else None."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.get_device_properties(device if device.index is not None else
+                                                    torch.cuda.current_device()).total_memory
+        if device.type == "cpu":
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError, RuntimeError):
+        pass
+    return None
 
 
 def start_matrix(head_v: int, rank: int) -> torch.Tensor:
@@ -99,21 +122,33 @@ class Pool:
         check_geometry(geo, convention)
         check_iters(iters)
         NS, HV, K, V, L = num_slots, heads, head_k, head_v, ring
-        device = torch.device(device)
-        raw = torch.zeros(geo.raw_words, dtype=torch.float32, device=device)
-        kbuf = torch.zeros(NS, HV, L, K, dtype=torch.bfloat16, device=device)
-        ubuf = torch.zeros(NS, HV, L, V, dtype=torch.bfloat16, device=device)
-        w = torch.zeros(NS, HV, L, dtype=torch.float32, device=device)
-        if gate == "kda":
-            pcum = torch.zeros(NS, HV, K, dtype=torch.float32, device=device)
-            gbuf = torch.ones(NS, HV, L, K, dtype=torch.float16, device=device)
-        else:
-            pcum = torch.ones(NS, HV, 1, dtype=torch.float32, device=device)
-            gbuf = None
-        hcnt = torch.zeros(NS, HV, dtype=torch.int32, device=device)
+        device = check_device(device)
+        need = pool_bytes(geo)
+        have = _device_memory(device)
+        if have is not None and need > have:
+            raise ValueError(f"num_slots={NS} needs a pool of {need:,} bytes ({need / 2**30:.1f} GiB), more than "
+                             f"{device}'s {have:,} bytes of memory")
+        try:
+            raw = torch.zeros(geo.raw_words, dtype=torch.float32, device=device)
+            kbuf = torch.zeros(NS, HV, L, K, dtype=torch.bfloat16, device=device)
+            ubuf = torch.zeros(NS, HV, L, V, dtype=torch.bfloat16, device=device)
+            w = torch.zeros(NS, HV, L, dtype=torch.float32, device=device)
+            if gate == "kda":
+                pcum = torch.zeros(NS, HV, K, dtype=torch.float32, device=device)
+                gbuf = torch.ones(NS, HV, L, K, dtype=torch.float16, device=device)
+            else:
+                pcum = torch.ones(NS, HV, 1, dtype=torch.float32, device=device)
+                gbuf = None
+            hcnt = torch.zeros(NS, HV, dtype=torch.int32, device=device)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise ValueError(f"num_slots={NS} needs a pool of {need:,} bytes ({need / 2**30:.1f} GiB), which "
+                             f"{device} could not allocate: {e}") from e
         if q0 is None:
             q0 = start_matrix(V, rank)
-        q0 = q0.to(device=device, dtype=torch.float32).contiguous()
+        if not isinstance(q0, torch.Tensor):
+            raise TypeError(f"q0 must be a torch.Tensor, got {type(q0).__name__}")
+        # a copy of the caller's matrix, never its autograd history (a flush would record one in the pool)
+        q0 = q0.detach().to(device=device, dtype=torch.float32).contiguous()
         self._bind(geo, convention, iters, raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0)
         self.s_kv.fill_(EPS)
         self.check_layout()  # q0 came from the caller
@@ -150,6 +185,7 @@ class Pool:
         # a replaced tensor (or geometry) is checked again before the next launch (check_layout)
         if not name.startswith("_"):
             object.__setattr__(self, "_checked", False)
+            object.__setattr__(self, "_spans", None)
         object.__setattr__(self, name, value)
 
     def check_layout(self, force: bool = False) -> None:
@@ -159,6 +195,17 @@ class Pool:
         if force or not getattr(self, "_checked", False):
             check_pool(self)
             object.__setattr__(self, "_checked", True)
+            object.__setattr__(self, "_spans", None)
+
+    def tensor_spans(self) -> list[tuple]:
+        """The byte ranges of the pool's base tensors (:func:`.checks.spans`, named ``pool.raw`` ...), what the
+        arguments of ``states`` and ``load_states`` must stay clear of; computed once after the metadata was checked
+        (:meth:`check_layout`) and kept until an attribute is assigned."""
+        sp = getattr(self, "_spans", None)
+        if sp is None:
+            sp = spans({n: getattr(self, n) for n in POOL_BASE}, prefix="pool.")
+            object.__setattr__(self, "_spans", sp)
+        return sp
 
     def __reduce__(self):
         """Pickling and ``torch.save``: the base tensors and the geometry; loading rebuilds the pool through
@@ -216,14 +263,17 @@ class Pool:
         ``[len(slots), HV, V, K]``, or FLA's ``[len(slots), HV, K, V]`` with ``state_v_first=False``; written into
         ``out`` if given (each head dense), else a new tensor. ``backend`` (``"auto"``: Triton on CUDA, else the
         reference) and ``check`` (``False``: metadata only, no host sync) as for :func:`leapquant.flush`."""
+        self.check_layout(force=check)
         s = check_slots(self, slots, check=check)
         if out is None:
             out = torch.empty(state_shape(self, s.numel(), state_v_first), dtype=torch.float32, device=self.device)
         else:
             check_states_out(self, out, s.numel(), state_v_first)
+            check_states_out_apart(self, out, s)
         b = resolve(backend, self, "states")
         if s.numel():
-            launch(self, b.states, s, out, bool(state_v_first))
+            with torch.no_grad():
+                launch(self, b.states, s, out, bool(state_v_first))
         return out
 
     def load_states(self, slots, states: torch.Tensor, *, backend: str = "auto", check: bool = True,
@@ -232,13 +282,18 @@ class Pool:
         ``state_v_first=False``) into those slots' checkpoints (SPEC §3 steps 5-10, §5) and empty their rings
         (``hcnt = 0``). ``backend`` and ``check`` as for :meth:`states`; ``check=True`` also refuses a slot named
         twice, non-finite states and ``max|S| > 2^64`` (:func:`.checks.check_state_values`)."""
-        if check:
-            check_state_values(states)
+        self.check_layout(force=check)
+        if isinstance(states, torch.Tensor):
+            check_in_storage(states, "states")  # before anything reads it
         s = check_slots(self, slots, distinct=True, check=check)
         S = check_state_tensor(self, states, s.numel(), state_v_first, "states", check)
+        check_load_apart(self, S, s)
+        if check:
+            check_state_values(states)
         b = resolve(backend, self, "states")
         if s.numel():
-            launch(self, b.load_states, s, S, bool(state_v_first))
+            with torch.no_grad():  # a state that requires grad leaves no autograd history in the pool
+                launch(self, b.load_states, s, S, bool(state_v_first))
 
     def append(self, slots, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
         """One token per slot into the ring (SPEC §6 steps 1-4): the decode step's ring update, in plain torch.
@@ -253,13 +308,15 @@ class Pool:
         not flush, so flush due slots before appending. Raises ValueError for a repeated slot, a fill count outside
         ``[0, L]``, non-finite inputs or a gate whose stored form would overflow (:func:`.checks.check_append`).
         """
+        self.check_layout()
         s, k, v, g, beta = check_append(self, slots, k, v, g, beta)
-        c = self.gather(s)
-        c["hcnt"] = self.hcnt[s]
-        # the decode step's ring update (its output is not needed here)
-        ring, _ = formulas.step_rows(c, k, k, v, g, beta, gate=self.gate, scale=1.0)
-        for name, new in ring.items():
-            getattr(self, name)[s] = new
+        with torch.no_grad():  # tokens that require grad leave no autograd history in the pool
+            c = self.gather(s)
+            c["hcnt"] = self.hcnt[s]
+            # the decode step's ring update (its output is not needed here)
+            ring, _ = formulas.step_rows(c, k, k, v, g, beta, gate=self.gate, scale=1.0)
+            for name, new in ring.items():
+                getattr(self, name)[s] = new
 
     def checkpoint_mask(self, slots: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
         """bool over ``raw``'s bytes, on the pool's device: True on the checkpoint bytes of the programs

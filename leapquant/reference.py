@@ -140,15 +140,39 @@ class ReferenceBackend(Backend):
             _put_rows(pool, name, safe, src, torch.where(m, new.to(old.dtype), old))
 
     def load_states(self, pool: "Pool", slots: torch.Tensor, states: torch.Tensor, state_v_first: bool) -> None:
+        # a slot outside [0, NS) (only with check=False) is skipped, as the kernels skip it: nothing computed for it on
+        # the CPU; on CUDA, without a synchronisation, its row rewrites the first in-range row's new bytes (or, with
+        # none, slot 0's unchanged bytes), so every write lands in the pool and nothing is half-written
         s = slots.long()
         S = states if state_v_first else states.transpose(-1, -2)
+        real = (s >= 0) & (s < pool.num_slots)
+        if not _graph_capturable(pool):
+            rows = real.nonzero().reshape(-1)
+            s, S = s[rows], S[rows]
+            if s.numel() == 0:
+                return
+        else:
+            anchor = torch.argmax(real.to(torch.int32))  # the first in-range row (0 when there is none)
+            src = torch.where(real, torch.arange(s.numel(), device=s.device), anchor)
+            s = torch.where(real, s, torch.zeros_like(s))[src]
+            S = S[src]
         codes, s_k, s_v, u, q = compress(S, pool.q0, iters=pool.iters)
         gbuf = pool.gbuf[s] if pool.gbuf is not None else None
-        new = dict(codes=codes, s_k=s_k, s_v=s_v, u=u, q=q, **empty_ring(pool.w[s], pool.pcum[s], gbuf, pool.gate))
+        new = dict(codes=codes, s_k=s_k, s_v=s_v, u=u, q=q, **empty_ring(pool.w[s], pool.pcum[s], gbuf, pool.gate),
+                   hcnt=torch.zeros_like(pool.hcnt[s]))
+        if _graph_capturable(pool):
+            # with no in-range row, every row names slot 0 and writes back what it holds
+            keep = real.any()
+            for name in new:
+                old = getattr(pool, name)[s]
+                new[name] = torch.where(keep, new[name].to(old.dtype), old)
         for name, t in new.items():
             getattr(pool, name)[s] = t.to(getattr(pool, name).dtype)
-        pool.hcnt[s] = 0
 
     def states(self, pool: "Pool", slots: torch.Tensor, out: torch.Tensor, state_v_first: bool) -> None:
-        S = rebuild(**pool.gather(slots.long()), gate=pool.gate)
+        # a slot outside [0, NS) (only with check=False) reads slot 0 and gives a zero row, as the kernel's
+        s = slots.long()
+        real = (s >= 0) & (s < pool.num_slots)
+        S = rebuild(**pool.gather(torch.where(real, s, torch.zeros_like(s))), gate=pool.gate)
+        S = torch.where(real[:, None, None, None], S, torch.zeros_like(S))
         (out if state_v_first else out.transpose(-1, -2)).copy_(S)

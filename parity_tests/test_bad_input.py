@@ -556,3 +556,266 @@ def test_compile_with_check():
     with pytest.raises(Exception, match="idx names slots more than once"):
         go(_i32(4, 4, 5))
     assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+# =================================================================================================================
+# States in and out (Pool.states, Pool.load_states, Pool.append, Pool.checkpoint, Pool(...)): the hostile-caller
+# cases, each with a test that failed on the code before the checks. Both calls on the reference and on the Triton
+# kernels (through the interpreter on the CPU).
+# =================================================================================================================
+
+STATE_BACKENDS = ["reference"] + (["triton"] if "triton" in backends_here("cpu") else [])
+
+
+def _region(pool, slot: int, n: int = 1) -> torch.Tensor:
+    """``[n, HV, V, K]`` fp32 words of ``pool.raw`` from slot ``slot``'s first checkpoint region on (engine layout:
+    a region of V K words per head): dense, so every check of ``out`` and ``states`` but aliasing passes."""
+    start = pool.base + slot * pool.slot_stride
+    return pool.raw[start:start + n * pool.heads * pool.head_v * pool.head_k].view(n, pool.heads, pool.head_v,
+                                                                                     pool.head_k)
+
+
+def _shrunk(shape, dtype, keep_bytes: int) -> torch.Tensor:
+    """A tensor of ``shape`` whose storage was cut to ``keep_bytes`` under it (through another view)."""
+    t = torch.zeros(shape, dtype=dtype)
+    view = t[:]
+    t.untyped_storage().resize_(keep_bytes)
+    return view
+
+
+def _heads_overlapping(pool, n=2) -> torch.Tensor:
+    """An ``out`` whose heads are each dense, but row 1's head 0 is row 0's head 1 (strides [2VK, 2VK, K, 1]): the
+    dense-heads check passes, the heads share memory."""
+    VK = pool.head_v * pool.head_k
+    return torch.zeros((n + 1) * 2 * VK).as_strided((n, pool.heads, pool.head_v, pool.head_k),
+                                                    (2 * VK, 2 * VK, pool.head_k, 1))
+
+
+OUT_ALIASED = {
+    "out in raw": (lambda p, s: _region(p, 4, 2), r"out and pool\.raw share memory"),
+    "out over slots": (None, r"out and slots share memory"),
+    "out heads sharing memory": (lambda p, s: _heads_overlapping(p), r"out must not have elements that share memory"),
+}
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["check", "nocheck"])
+@pytest.mark.parametrize("case", list(OUT_ALIASED))
+@pytest.mark.parametrize("backend", STATE_BACKENDS)
+def test_states_out_aliasing_is_refused(backend, case, check):
+    """``states(out=)`` with ``out`` inside a pool tensor, over ``slots`` or over itself is refused, whatever
+    ``check``, before anything is written (``out`` inside ``raw`` wrote 32 KB of it here: SPEC says ``states``
+    writes nothing in the pool)."""
+    pool = _pool()
+    make, words = OUT_ALIASED[case]
+    slots = torch.tensor([1, 2])
+    if case == "out over slots":
+        out = torch.zeros(2, pool.heads, pool.head_v, pool.head_k)
+        slots = out.view(-1)[-4:].view(torch.int64)  # out's last four words
+        slots.copy_(torch.tensor([1, 2]))
+    else:
+        out = make(pool, slots)
+    before = parity.snapshot(pool)
+    out_before = out.clone()
+    with pytest.raises(ValueError, match=words):
+        pool.states(slots, out=out, backend=backend, check=check)
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+    assert torch.equal(parity.as_bytes(out), parity.as_bytes(out_before))
+
+
+# (with check=True an int32 slots tensor is copied to int64 first: no alias is left, so that case is check=False's)
+LOAD_ALIASED = {
+    "states in raw": ("states", r"states and pool\.raw share memory", [True, False]),
+    "slots in hcnt": ("slots", r"slots and pool\.hcnt share memory", [False]),
+}
+
+
+@pytest.mark.parametrize("case,check", [(c, ch) for c, (_, _, checks) in LOAD_ALIASED.items() for ch in checks],
+                         ids=[f"{c}-{'check' if ch else 'nocheck'}" for c, (_, _, checks) in LOAD_ALIASED.items()
+                              for ch in checks])
+@pytest.mark.parametrize("backend", STATE_BACKENDS)
+def test_load_states_input_aliasing_the_pool_is_refused(backend, case, check):
+    """``load_states`` refuses ``states`` or ``slots`` that share bytes with a pool tensor it writes (a state read
+    from ``raw`` while ``raw`` is written), before anything is written or read."""
+    pool = _pool()
+    which, words, _ = LOAD_ALIASED[case]
+    if which == "states":
+        slots, states = torch.tensor([1]), _region(pool, 4)
+        states.copy_(torch.randn(states.shape, generator=torch.Generator().manual_seed(2)))  # finite values
+    else:
+        pool.hcnt[1, 0] = 2
+        slots, states = pool.hcnt[1, :1], torch.randn(1, pool.heads, pool.head_v, pool.head_k)
+    before = parity.snapshot(pool)
+    with pytest.raises(ValueError, match=words):
+        pool.load_states(slots, states, backend=backend, check=check)
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+STORAGE_SHORT = {
+    "states: slots": ("states", "slots", r"slots reaches byte"),
+    "states: out": ("states", "out", r"out reaches byte"),
+    "load_states: slots": ("load", "slots", r"slots reaches byte"),
+    "load_states: states": ("load", "states", r"states reaches byte"),
+}
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["check", "nocheck"])
+@pytest.mark.parametrize("case", list(STORAGE_SHORT))
+@pytest.mark.parametrize("backend", STATE_BACKENDS)
+def test_state_arguments_inside_their_storage(backend, case, check):
+    """Every tensor argument of ``states`` and ``load_states`` lies inside its storage, checked whatever ``check``
+    (a storage cut under a view sent the calls past the allocation)."""
+    pool = _pool()
+    op, arg, words = STORAGE_SHORT[case]
+    n, HV, V, K = 2, pool.heads, pool.head_v, pool.head_k
+    slots = torch.tensor([1, 2])
+    if arg == "slots":
+        slots = _shrunk((n,), torch.int64, 8)  # the first slot's bytes, not the second's
+    args = dict(slots=slots, out=torch.zeros(n, HV, V, K), states=torch.randn(n, HV, V, K))
+    if arg == "out":
+        args["out"] = _shrunk((n, HV, V, K), torch.float32, 4 * HV * V * K)
+    if arg == "states":
+        args["states"] = _shrunk((n, HV, V, K), torch.float32, 4 * HV * V * K)
+    before = parity.snapshot(pool)
+    with pytest.raises(ValueError, match=words):
+        if op == "states":
+            pool.states(args["slots"], out=args["out"], backend=backend, check=check)
+        else:
+            pool.load_states(args["slots"], args["states"], backend=backend, check=check)
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+BAD_SLOT_LISTS = {"floats": [1.7, 2.2], "bools": [True, False], "numpy floats": "np", "mixed": [1, True]}
+
+
+@pytest.mark.parametrize("call", ["states", "load_states", "append", "checkpoint"])
+@pytest.mark.parametrize("case", list(BAD_SLOT_LISTS))
+def test_slot_lists_hold_ints_only(case, call):
+    """A slot list of floats or bools is refused with a TypeError naming ``slots`` (``load_states([1.7, 2.2], S)``
+    loaded slots 1 and 2, ``[True, False]`` slot 1 and the null slot); ints and numpy integers are taken."""
+    import numpy as np
+
+    pool = _pool()
+    slots = BAD_SLOT_LISTS[case]
+    if slots == "np":
+        slots = np.array([1.0, 2.0])
+    S = torch.randn(2, pool.heads, pool.head_v, pool.head_k)
+
+    def go(s):
+        if call == "states":
+            return pool.states(s, backend="reference")
+        if call == "load_states":
+            return pool.load_states(s, S, backend="reference")
+        if call == "append":
+            return pool.append(s, **_token(pool, 2))
+        return pool.checkpoint(s)
+
+    before = parity.snapshot(pool)
+    with pytest.raises(TypeError, match=r"slots must hold Python ints"):
+        go(slots)
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+    go([np.int64(1), 2])  # ints and numpy integers are fine
+
+
+def _state_backend(backend: str, monkeypatch) -> str:
+    """``backend`` by name; ``"reference:graph"``: the reference's path without host synchronisation (CUDA's), taken
+    on the CPU."""
+    if backend == "reference:graph":
+        import leapquant.reference as reference
+
+        monkeypatch.setattr(reference, "_graph_capturable", lambda pool: True)
+        return "reference"
+    return backend
+
+
+@pytest.mark.parametrize("bad", [-1, 6], ids=["minus_one", "num_slots"])
+@pytest.mark.parametrize("backend", STATE_BACKENDS + ["reference:graph"])
+def test_load_states_skips_out_of_range_slots_without_check(backend, bad, monkeypatch):
+    """``load_states(check=False)`` skips a slot outside ``[0, NS)`` (nothing written for it, as the kernels do) and
+    loads the others whole: the bytes of loading the in-range rows alone (the reference wrote slot 1's checkpoint,
+    then raised with its old ring left; -1 loaded the last slot)."""
+    pool = _pool()
+    twin = parity.twin(pool)
+    S = torch.randn(3, pool.heads, pool.head_v, pool.head_k, generator=torch.Generator().manual_seed(4))
+    twin.load_states(torch.tensor([1, 3]), S[[0, 2]], backend=backend.split(":")[0], check=False)
+    backend = _state_backend(backend, monkeypatch)
+    pool.load_states(torch.tensor([1, bad, 3]), S, backend=backend, check=False)
+    assert _same_bytes(parity.snapshot(twin), parity.snapshot(pool)) == []
+    # only out-of-range slots: nothing at all
+    before = parity.snapshot(pool)
+    pool.load_states(torch.tensor([bad], dtype=torch.int32), S[:1], backend=backend, check=False)
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+@pytest.mark.parametrize("backend", STATE_BACKENDS + ["reference:graph"])
+def test_states_of_out_of_range_slots_without_check(backend, monkeypatch):
+    """``states(check=False)`` gives zero rows for slots outside ``[0, NS)`` and the in-range rows' states bit for
+    bit, into a new tensor or a caller's, and writes nothing in the pool (the reference read slot NS-1 for -1 and
+    raised for NS)."""
+    pool = _pool()
+    backend = _state_backend(backend, monkeypatch)
+    before = parity.snapshot(pool)
+    want = pool.states(torch.tensor([2]), backend=backend, check=False)
+    got = pool.states(torch.tensor([-1, 2, 6]), backend=backend, check=False)
+    out = torch.full_like(got, float("nan"))
+    pool.states(torch.tensor([-1, 2, 6], dtype=torch.int32), out=out, backend=backend, check=False)
+    for t in (got, out):
+        assert torch.equal(parity.as_bytes(t[1:2]), parity.as_bytes(want))
+        assert (t[0] == 0).all() and (t[2] == 0).all()
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+def _no_memory(monkeypatch):
+    import leapquant.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "_device_memory", lambda device: None)  # the allocator's failure is caught
+
+
+POOL_BAD = {
+    "num_slots too large for the device": (dict(num_slots=10**13), None, r"num_slots=10000000000000 needs a pool of "
+                                                                           r"[\d,]+ bytes"),
+    "num_slots the allocator refuses": (dict(num_slots=10**13), _no_memory, r"num_slots=10000000000000 needs a pool "
+                                                                             r"of [\d,]+ bytes .* could not allocate"),
+    "cuda without CUDA": (dict(device="cuda"), None, r"device='cuda': CUDA is not available"),
+    "meta": (dict(device="meta"), None, r"device='meta' holds no data"),
+}
+
+
+@pytest.mark.parametrize("case", list(POOL_BAD))
+def test_pool_construction_errors_name_the_argument(case, monkeypatch):
+    """``Pool(...)`` says which argument is wrong: a ``num_slots`` too large (the bytes it needs; the allocator's
+    own error did not name it), CUDA asked for without CUDA (torch's assertion), ``device="meta"`` (it said ``hcnt``
+    and ``w`` overlap)."""
+    over, setup, words = POOL_BAD[case]
+    if case == "cuda without CUDA" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    if setup is not None:
+        setup(monkeypatch)
+    kw = dict(num_slots=4, heads=2, head_k=64, head_v=64, ring=8, rank=2)
+    kw.update(over)
+    with pytest.raises(ValueError, match=words):
+        leapquant.Pool(**kw)
+
+
+def _autograd_free(pool) -> list[str]:
+    names = list(parity.POOL_TENSORS) + ["codes", "codes32", "s_k", "s_v", "s_kv", "uq", "u", "q", "q0"]
+    return [n for n in dict.fromkeys(names) if getattr(pool, n) is not None
+            and (getattr(pool, n).requires_grad or getattr(pool, n).grad_fn is not None)]
+
+
+@pytest.mark.parametrize("backend", STATE_BACKENDS + ["reference:graph"])
+def test_no_autograd_history_in_the_pool(backend, monkeypatch):
+    """Inputs that require grad (``append``'s tokens, ``load_states``' states, ``states``' ``out``, a ``q0``) leave
+    no autograd history in the pool: no pool tensor requires grad or has a ``grad_fn`` afterwards (``append`` and
+    the reference's ``load_states`` recorded one)."""
+    backend = _state_backend(backend, monkeypatch)
+    pool = leapquant.Pool(6, 2, 64, 64, 16, 4, q0=leapquant.start_matrix(64, 4).requires_grad_())
+    t = {n: x.requires_grad_() for n, x in _token(pool, 2).items()}
+    pool.append([1, 2], **t)
+    S = torch.randn(2, 2, 64, 64).requires_grad_()
+    pool.load_states([3, 4], S, backend=backend)
+    pool.load_states(torch.tensor([1, 5]), S.detach().requires_grad_(), backend=backend, check=False)
+    out = torch.zeros(2, 2, 64, 64, requires_grad=True)
+    pool.states([1, 3], out=out, backend=backend)
+    assert _autograd_free(pool) == []
+    leapquant.flush(pool, _i32(1, 2), backend="reference")
+    assert _autograd_free(pool) == []
