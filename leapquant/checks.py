@@ -12,6 +12,7 @@ Never ``assert`` (stripped under ``python -O``). Two kinds of check (SPEC §5, "
 from __future__ import annotations
 
 import math
+import numbers
 from typing import TYPE_CHECKING
 
 import torch
@@ -73,20 +74,33 @@ def _expect(t, name: str, dtype: torch.dtype, shape: tuple, device: torch.device
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """[first, last + 1) bytes of ``t``'s elements in its storage (``t`` non-empty, non-negative strides)."""
-    size = t.element_size()
+    size, first = t.element_size(), t.storage_offset()
+    if t.is_contiguous():  # the common case, without the loop over dimensions (every call checks its tensors)
+        return first * size, (first + t.numel()) * size
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.storage_offset() * size, (t.storage_offset() + last + 1) * size
+    return first * size, (first + last + 1) * size
 
 
-def _in_storage(t: torch.Tensor, name: str) -> None:
+def _in_storage(t: torch.Tensor, name: str) -> tuple[int, int] | None:
     """Every element of ``t`` lies inside its storage: a tensor whose storage was shrunk under it (another view's
-    ``untyped_storage().resize_``) would send a kernel past the allocation."""
-    if t.numel() == 0:
-        return
-    _, end = _extent(t)
-    have = t.untyped_storage().nbytes()
-    if end > have:
-        raise ValueError(f"{name} reaches byte {end} of its storage, which holds only {have} bytes")
+    ``untyped_storage().resize_``) would send a kernel past the allocation. Returns the address range
+    ``[first, end)`` of its elements (None when empty): by address, two storages over the same memory (``from_numpy``,
+    DLPack) compare too. Metadata only, and cheap: every call checks its tensors with it."""
+    if t.is_contiguous():
+        size = t.nbytes
+        if not size:
+            return None
+    elif t.numel() == 0:
+        return None
+    else:
+        size = (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+    first = t.data_ptr()
+    end = first + size
+    st = t.untyped_storage()
+    base, have = st.data_ptr(), st.nbytes()
+    if end - base > have:
+        raise ValueError(f"{name} reaches byte {end - base} of its storage, which holds only {have} bytes")
+    return first, end
 
 
 def check_in_storage(t: torch.Tensor, name: str) -> None:
@@ -99,6 +113,8 @@ def check_no_self_overlap(t: torch.Tensor, name: str) -> None:
     """No two elements of ``t`` share memory (an expanded or stride-0 view written by a kernel would give each
     element the last writer's value): with the dimensions ordered by stride, each stride reaches past everything the
     smaller ones span."""
+    if t.is_contiguous():  # dense: no two elements share memory
+        return
     dims = sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n > 1), key=lambda d: d[1])
     reach = 1
     for size, stride in dims:
@@ -268,12 +284,14 @@ def check_slots(pool: "Pool", slots, name: str = "slots", distinct: bool = False
     return s
 
 
-def check_finite(t: torch.Tensor, name: str, bound: float = STATE_MAX) -> None:
-    """``t`` finite with ``max|t| <= bound`` (a synchronisation)."""
+def check_finite(t: torch.Tensor, name: str, bound: float | None = STATE_MAX) -> None:
+    """``t`` finite with ``max|t| <= bound`` (``None``: finite only; a synchronisation)."""
     if not t.numel():
         return
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name} must be finite, got NaN or infinite values")
+    if bound is None:
+        return
     m = float(t.abs().max())
     if m > bound:
         raise ValueError(f"{name} must have max|x| <= 2^{math.log2(bound):g}, got {m:.6g}")
@@ -338,6 +356,22 @@ def check_states_out(pool: "Pool", out, n: int, state_v_first: bool) -> None:
                          f"{out.shape[3]}, 1]), got strides {out.stride()}")
 
 
+# the largest log decay whose stored gate is finite: KDA stores fp16(exp g) (fp16's max is 65504, exp(11) ~ 59874),
+# GDN multiplies pcum and w by exp g in fp32 (exp(88) ~ 1.65e38)
+GATE_MAX = {"kda": 11.0, "gdn": 88.0}
+
+
+def check_gate_range(gate: str, g: torch.Tensor, name: str) -> None:
+    """The log decays ``g`` (finite) of a pool of ``gate`` within :data:`GATE_MAX` (a synchronisation): above, the
+    stored gate overflows and the ring's state becomes infinite. ``append`` and ``step(check=True)`` refuse them."""
+    g_max = GATE_MAX[gate]
+    if g.numel():
+        m = float(g.max())
+        if m > g_max:
+            raise ValueError(f"{name} must be <= {g_max} (the stored gate exp(g) overflows "
+                             f"{'fp16' if gate == 'kda' else 'fp32'} above), got max {m:.6g}")
+
+
 def check_append(pool: "Pool", slots, k, v, g, beta) -> tuple:
     """``Pool.append``'s arguments: distinct slots whose fill counts lie in ``[0, L]`` (``L``: flushed, next entry 0),
     and finite fp32 ``k [B, HV, K]``, ``v [B, HV, V]``, ``beta [B, HV]``, ``g`` (KDA ``[B, HV, K]``, GDN ``[B, HV]``)
@@ -357,10 +391,7 @@ def check_append(pool: "Pool", slots, k, v, g, beta) -> tuple:
             raise ValueError(f"append: {name} must be {list(shape)} for this pool ({pool.gate}), got {list(t.shape)}")
         out[name] = t.to(pool.device, torch.float32)
         check_finite(out[name], f"append: {name}")
-    g_max = 11.0 if pool.gate == "kda" else 88.0
-    if out["g"].numel() and float(out["g"].max()) > g_max:
-        raise ValueError(f"append: g must be <= {g_max} (the stored gate exp(g) overflows "
-                         f"{'fp16' if pool.gate == 'kda' else 'fp32'} above), got max {float(out['g'].max()):.6g}")
+    check_gate_range(pool.gate, out["g"], "append: g")
     if B:
         h = pool.hcnt[s]
         lo, hi = int(h.min()), int(h.max())
@@ -453,3 +484,77 @@ def check_step_inputs(pool: "Pool", q, k, v, g, beta, out) -> None:
             raise ValueError(f"{name} must have a unit stride in its last dimension, got strides {t.stride()}")
     if out is not None and out.dtype != q.dtype:
         raise TypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
+
+
+def check_scale(scale):
+    """``step``'s ``scale``: a real number on the host (a Python or NumPy float or int), finite; no synchronisation.
+    Returned as a float (a symbolic float under ``torch.compile`` is left to the op, which checks it when it runs)."""
+    if isinstance(scale, torch.SymFloat):
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number (a host float), got {type(scale).__name__}")
+    s = float(scale)
+    if not math.isfinite(s):
+        raise ValueError(f"scale must be finite, got {s}")
+    return s
+
+
+def pool_spans(pool: "Pool") -> tuple:
+    """``(name, first, end)`` address ranges of the pool's tensors (the views of ``raw`` lie in ``raw``'s), taken once
+    per layout check (:meth:`Pool.check_layout` drops them): what :func:`check_step_memory` compares ``out`` with."""
+    spans = pool.__dict__.get("_spans")
+    if spans is None:
+        spans = tuple((f"pool.{n}", *_in_storage(t, f"pool.{n}")) for n in POOL_BASE
+                      if (t := getattr(pool, n)) is not None and t.numel())
+        object.__setattr__(pool, "_spans", spans)
+    return spans
+
+
+def check_step_memory(pool: "Pool", idx, q, k, v, g, beta, out) -> None:
+    """The memory of ``step``'s tensors, metadata only (no synchronisation), every call: each lies inside its storage
+    (:func:`check_in_storage`), and ``out`` (written; None when the step allocates it) has no two elements sharing
+    memory (:func:`check_no_self_overlap`) and shares no byte with a pool tensor or an input: each kernel program
+    reads its inputs and the pool while others write ``out``, and a pool byte under ``out`` would be overwritten.
+    Address ranges are compared (as :func:`check_disjoint` compares byte ranges), so interleaved views of one buffer
+    are refused too. The pool's ranges are cached with its layout check (:func:`pool_spans`)."""
+    spans = [(name, _in_storage(t, name)) for name, t in (("idx", idx), ("q", q), ("k", k), ("v", v), ("g", g),
+                                                           ("beta", beta))]
+    o = None if out is None else _in_storage(out, "out")
+    if o is None:
+        return
+    check_no_self_overlap(out, "out")
+    lo, hi = o
+    for name, a, b in pool_spans(pool):
+        if lo < b and a < hi:
+            raise ValueError(f"out and {name} share memory: what a call writes needs bytes of its own")
+    for name, span in spans:
+        if span is not None and lo < span[1] and span[0] < hi:
+            raise ValueError(f"out and {name} share memory: what a call writes needs bytes of its own")
+
+
+def check_hcnt(pool: "Pool", idx: torch.Tensor) -> None:
+    """``check=True``: the fill counts of the slots ``idx`` names (its real rows) lie in ``[0, L]`` (one host read).
+    Outside, a flush never takes the ring and a step drops its entries (a count above L) or the token (a negative
+    count)."""
+    if not idx.numel():
+        return
+    i = idx.long()
+    real = (i >= pool.first_slot) & (i < pool.num_slots)
+    h = torch.where(real[:, None], pool.hcnt[torch.where(real, i, 0)], 0)
+    lo, hi = torch.stack(torch.aminmax(h)).tolist()
+    if lo < 0 or hi > pool.ring:
+        n, hv = ((h < 0) | (h > pool.ring)).nonzero()[0].tolist()
+        raise ValueError(f"pool.hcnt of the slots idx names must lie in [0, {pool.ring}] (the ring's fill count), got "
+                         f"{int(h[n, hv])} at slot {int(i[n])}, head {hv} (min {lo}, max {hi})")
+
+
+def check_step_values(pool: "Pool", idx: torch.Tensor, q, k, v, g, beta) -> None:
+    """``step(check=True)``: the token values of the real rows (padding rows are not read) as ``append`` takes them:
+    finite, and the gate within :data:`GATE_MAX` (:func:`check_gate_range`). A synchronisation per tensor."""
+    i = idx.long()
+    real = (i >= pool.first_slot) & (i < pool.num_slots)
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        x = torch.where(real.view((-1,) + (1,) * (t.dim() - 1)), t.detach(), 0)
+        check_finite(x, name, bound=None)
+        if name == "g":
+            check_gate_range(pool.gate, x, "g")

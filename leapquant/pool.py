@@ -158,6 +158,7 @@ class Pool:
         since (a flag read: the full check costs tens of microseconds of host time on the hot path) or ``force``."""
         if force or not getattr(self, "_checked", False):
             check_pool(self)
+            object.__setattr__(self, "_spans", None)  # the tensors' address ranges, taken again when needed
             object.__setattr__(self, "_checked", True)
 
     def __reduce__(self):
