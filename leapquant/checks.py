@@ -12,6 +12,7 @@ Never ``assert`` (stripped under ``python -O``). Two kinds of check (SPEC §5, "
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import TYPE_CHECKING
 
@@ -74,20 +75,33 @@ def _expect(t, name: str, dtype: torch.dtype, shape: tuple, device: torch.device
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """[first, last + 1) bytes of ``t``'s elements in its storage (``t`` non-empty, non-negative strides)."""
-    size = t.element_size()
+    size, first = t.element_size(), t.storage_offset()
+    if t.is_contiguous():  # the common case, without the loop over dimensions (every call checks its tensors)
+        return first * size, (first + t.numel()) * size
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return t.storage_offset() * size, (t.storage_offset() + last + 1) * size
+    return first * size, (first + last + 1) * size
 
 
-def _in_storage(t: torch.Tensor, name: str) -> None:
+def _in_storage(t: torch.Tensor, name: str) -> tuple[int, int] | None:
     """Every element of ``t`` lies inside its storage: a tensor whose storage was shrunk under it (another view's
-    ``untyped_storage().resize_``) would send a kernel past the allocation."""
-    if t.numel() == 0:
-        return
-    _, end = _extent(t)
-    have = t.untyped_storage().nbytes()
-    if end > have:
-        raise ValueError(f"{name} reaches byte {end} of its storage, which holds only {have} bytes")
+    ``untyped_storage().resize_``) would send a kernel past the allocation. Returns the address range
+    ``[first, end)`` of its elements (None when empty): by address, two storages over the same memory (``from_numpy``,
+    DLPack) compare too. Metadata only, and cheap: every call checks its tensors with it."""
+    if t.is_contiguous():
+        size = t.nbytes
+        if not size:
+            return None
+    elif t.numel() == 0:
+        return None
+    else:
+        size = (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+    first = t.data_ptr()
+    end = first + size
+    st = t.untyped_storage()
+    base, have = st.data_ptr(), st.nbytes()
+    if end - base > have:
+        raise ValueError(f"{name} reaches byte {end - base} of its storage, which holds only {have} bytes")
+    return first, end
 
 
 def check_in_storage(t: torch.Tensor, name: str) -> None:
@@ -100,6 +114,8 @@ def check_no_self_overlap(t: torch.Tensor, name: str) -> None:
     """No two elements of ``t`` share memory (an expanded or stride-0 view written by a kernel would give each
     element the last writer's value): with the dimensions ordered by stride, each stride reaches past everything the
     smaller ones span."""
+    if t.is_contiguous():  # dense: no two elements share memory
+        return
     dims = sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n > 1), key=lambda d: d[1])
     reach = 1
     for size, stride in dims:
@@ -107,20 +123,6 @@ def check_no_self_overlap(t: torch.Tensor, name: str) -> None:
             raise ValueError(f"{name} must not have elements that share memory (shape {list(t.shape)}, strides "
                              f"{t.stride()}): it is written")
         reach += stride * (size - 1)
-
-
-def check_disjoint(written: dict, others: dict) -> None:
-    """No tensor of ``written`` (name -> tensor, what a call writes) shares a byte with another of ``written`` or
-    with one of ``others`` (name -> tensor or None: what the call reads or the pool holds). Metadata only, by the
-    byte ranges the tensors span in their storages."""
-    spans = [(name, t.untyped_storage().data_ptr(), *_extent(t)) for name, t in written.items()
-             if t is not None and t.numel()]
-    rest = [(name, t.untyped_storage().data_ptr(), *_extent(t)) for name, t in others.items()
-            if t is not None and t.numel()]
-    for i, (a, ptr_a, lo_a, hi_a) in enumerate(spans):
-        for b, ptr_b, lo_b, hi_b in spans[i + 1:] + rest:
-            if ptr_a == ptr_b and lo_a < hi_b and lo_b < hi_a:
-                raise ValueError(f"{a} and {b} share memory: what a call writes needs bytes of its own")
 
 
 def _dense(t, name: str, dtype: torch.dtype, shape: tuple, device: torch.device) -> None:
@@ -302,13 +304,15 @@ def check_slots(pool: "Pool", slots, name: str = "slots", distinct: bool = False
     return s if s is not None else torch.tensor(host, dtype=torch.long, device=pool.device)
 
 
-def check_finite(t: torch.Tensor, name: str, bound: float = STATE_MAX) -> None:
-    """``t`` finite with ``max|t| <= bound`` (a synchronisation)."""
+def check_finite(t: torch.Tensor, name: str, bound: float | None = STATE_MAX) -> None:
+    """``t`` finite with ``max|t| <= bound`` (``None``: finite only; a synchronisation)."""
     if not t.numel():
         return
     t = t.detach()
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"{name} must be finite, got NaN or infinite values")
+    if bound is None:
+        return
     m = float(t.abs().max())
     if m > bound:
         raise ValueError(f"{name} must have max|x| <= 2^{math.log2(bound):g}, got {m:.6g}")
@@ -373,27 +377,25 @@ def check_states_out(pool: "Pool", out, n: int, state_v_first: bool) -> None:
                          f"{out.shape[3]}, 1]), got strides {out.stride()}")
 
 
-def spans(tensors: dict, prefix: str = "") -> list[tuple]:
-    """``(name, storage address, first byte, last byte + 1)`` of each non-empty tensor of ``tensors`` (name -> tensor
-    or None), names after ``prefix``: the byte ranges :func:`check_apart` compares (a pool's, computed once after its
-    metadata was checked). Metadata only."""
-    return [(prefix + name, t.untyped_storage().data_ptr(), *_extent(t)) for name, t in tensors.items()
-            if t is not None and t.numel()]
+def spans(tensors: dict, prefix: str = "") -> tuple:
+    """``(name, first address, end address)`` of each non-empty tensor of ``tensors`` (name -> tensor or None), names
+    after ``prefix``, each checked to lie inside its storage (:func:`_in_storage`): the ranges :func:`check_apart`
+    compares (a pool's are computed once after its metadata was checked: :meth:`Pool.tensor_spans`). Metadata
+    only."""
+    return tuple((prefix + name, *r) for name, t in tensors.items()
+                 if t is not None and (r := _in_storage(t, prefix + name)) is not None)
 
 
-def check_apart(t: torch.Tensor, name: str, others: list, why: str) -> None:
-    """``t`` lies inside its storage and shares no byte with any tensor of ``others`` (:func:`spans`), else a
-    ValueError naming both and ``why``: :func:`check_in_storage` and :func:`check_disjoint` for one tensor against
-    byte ranges computed beforehand, in one pass over its metadata."""
-    if not t.numel():
+def check_apart(t: torch.Tensor, name: str, others, why: str) -> None:
+    """``t`` lies inside its storage and shares no byte with any range of ``others`` (:func:`spans`), else a
+    ValueError naming both and ``why``. Address ranges are compared, so two storages over the same memory
+    (``from_numpy``, DLPack) are seen too, and interleaved views of one buffer are refused."""
+    r = _in_storage(t, name)
+    if r is None:
         return
-    st = t.untyped_storage()
-    lo, hi = _extent(t)
-    if hi > st.nbytes():
-        raise ValueError(f"{name} reaches byte {hi} of its storage, which holds only {st.nbytes()} bytes")
-    ptr = st.data_ptr()
-    for other, ptr_o, lo_o, hi_o in others:
-        if ptr == ptr_o and lo < hi_o and lo_o < hi:
+    lo, hi = r
+    for other, lo_o, hi_o in others:
+        if lo < hi_o and lo_o < hi:
             raise ValueError(f"{name} and {other} share memory: {why}")
 
 
@@ -410,7 +412,7 @@ def check_load_apart(pool: "Pool", states: torch.Tensor, slots: torch.Tensor) ->
     """``load_states``' ``states`` and ``slots`` share no byte with the pool tensors it writes (all but ``q0``:
     raw, kbuf, ubuf, w, pcum, gbuf, hcnt): a state or a slot read from bytes the call is writing would be corrupted.
     Metadata only."""
-    written = [sp for sp in pool.tensor_spans() if sp[0] != "pool.q0"]
+    written = tuple(sp for sp in pool.tensor_spans() if sp[0] != "pool.q0")
     why = "load_states writes the pool while it reads them"
     check_apart(states, "states", written, why)
     check_apart(slots, "slots", written, why)
@@ -436,6 +438,22 @@ def check_device(device) -> torch.device:
     return dev
 
 
+# the largest log decay whose stored gate is finite: KDA stores fp16(exp g) (fp16's max is 65504, exp(11) ~ 59874),
+# GDN multiplies pcum and w by exp g in fp32 (exp(88) ~ 1.65e38)
+GATE_MAX = {"kda": 11.0, "gdn": 88.0}
+
+
+def check_gate_range(gate: str, g: torch.Tensor, name: str) -> None:
+    """The log decays ``g`` (finite) of a pool of ``gate`` within :data:`GATE_MAX` (a synchronisation): above, the
+    stored gate overflows and the ring's state becomes infinite. ``append`` and ``step(check=True)`` refuse them."""
+    g_max = GATE_MAX[gate]
+    if g.numel():
+        m = float(g.max())
+        if m > g_max:
+            raise ValueError(f"{name} must be <= {g_max} (the stored gate exp(g) overflows "
+                             f"{'fp16' if gate == 'kda' else 'fp32'} above), got max {m:.6g}")
+
+
 def check_append(pool: "Pool", slots, k, v, g, beta) -> tuple:
     """``Pool.append``'s arguments: distinct slots whose fill counts lie in ``[0, L]`` (``L``: flushed, next entry 0),
     and finite fp32 ``k [B, HV, K]``, ``v [B, HV, V]``, ``beta [B, HV]``, ``g`` (KDA ``[B, HV, K]``, GDN ``[B, HV]``)
@@ -455,10 +473,7 @@ def check_append(pool: "Pool", slots, k, v, g, beta) -> tuple:
             raise ValueError(f"append: {name} must be {list(shape)} for this pool ({pool.gate}), got {list(t.shape)}")
         out[name] = t.detach().to(pool.device, torch.float32)
         check_finite(out[name], f"append: {name}")
-    g_max = 11.0 if pool.gate == "kda" else 88.0
-    if out["g"].numel() and float(out["g"].max()) > g_max:
-        raise ValueError(f"append: g must be <= {g_max} (the stored gate exp(g) overflows "
-                         f"{'fp16' if pool.gate == 'kda' else 'fp32'} above), got max {float(out['g'].max()):.6g}")
+    check_gate_range(pool.gate, out["g"], "append: g")
     if B:
         h = pool.hcnt[s]
         lo, hi = int(h.min()), int(h.max())
@@ -551,3 +566,57 @@ def check_step_inputs(pool: "Pool", q, k, v, g, beta, out) -> None:
             raise ValueError(f"{name} must have a unit stride in its last dimension, got strides {t.stride()}")
     if out is not None and out.dtype != q.dtype:
         raise TypeError(f"out must have q's dtype {q.dtype}, got {out.dtype}")
+
+
+def check_scale(scale):
+    """``step``'s ``scale``: a real number on the host (a Python or NumPy float or int), finite; no synchronisation.
+    Returned as a float (a symbolic float under ``torch.compile`` is left to the op, which checks it when it runs)."""
+    if isinstance(scale, torch.SymFloat):
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number (a host float), got {type(scale).__name__}")
+    s = float(scale)
+    if not math.isfinite(s):
+        raise ValueError(f"scale must be finite, got {s}")
+    return s
+
+
+def check_step_memory(pool: "Pool", idx, q, k, v, g, beta, out) -> None:
+    """The memory of ``step``'s tensors, metadata only (no synchronisation), every call: each lies inside its storage,
+    and ``out`` (written; None when the step allocates it) has no two elements sharing memory
+    (:func:`check_no_self_overlap`) and shares no byte with a pool tensor or an input: each kernel program reads its
+    inputs and the pool while others write ``out``, and a pool byte under ``out`` would be overwritten
+    (:func:`check_apart`; the pool's ranges are cached: :meth:`Pool.tensor_spans`)."""
+    inputs = spans({"idx": idx, "q": q, "k": k, "v": v, "g": g, "beta": beta})
+    if out is None:
+        return
+    check_no_self_overlap(out, "out")
+    check_apart(out, "out", pool.tensor_spans() + inputs, "what a call writes needs bytes of its own")
+
+
+def check_hcnt(pool: "Pool", idx: torch.Tensor) -> None:
+    """``check=True``: the fill counts of the slots ``idx`` names (its real rows) lie in ``[0, L]`` (one host read).
+    Outside, a flush never takes the ring and a step drops its entries (a count above L) or the token (a negative
+    count)."""
+    if not idx.numel():
+        return
+    i = idx.long()
+    real = (i >= pool.first_slot) & (i < pool.num_slots)
+    h = torch.where(real[:, None], pool.hcnt[torch.where(real, i, 0)], 0)
+    lo, hi = torch.stack(torch.aminmax(h)).tolist()
+    if lo < 0 or hi > pool.ring:
+        n, hv = ((h < 0) | (h > pool.ring)).nonzero()[0].tolist()
+        raise ValueError(f"pool.hcnt of the slots idx names must lie in [0, {pool.ring}] (the ring's fill count), got "
+                         f"{int(h[n, hv])} at slot {int(i[n])}, head {hv} (min {lo}, max {hi})")
+
+
+def check_step_values(pool: "Pool", idx: torch.Tensor, q, k, v, g, beta) -> None:
+    """``step(check=True)``: the token values of the real rows (padding rows are not read) as ``append`` takes them:
+    finite, and the gate within :data:`GATE_MAX` (:func:`check_gate_range`). A synchronisation per tensor."""
+    i = idx.long()
+    real = (i >= pool.first_slot) & (i < pool.num_slots)
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        x = torch.where(real.view((-1,) + (1,) * (t.dim() - 1)), t.detach(), 0)
+        check_finite(x, name, bound=None)
+        if name == "g":
+            check_gate_range(pool.gate, x, "g")

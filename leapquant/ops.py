@@ -16,8 +16,9 @@ from typing import Literal, Optional
 import torch
 
 from .backends import Backend
-from .checks import (POOL_BASE, check_idx, check_idx_layout, check_pool_values, check_run_inputs, check_step_inputs,
-                     gate_form, token_rows)
+from .checks import (POOL_BASE, check_hcnt, check_idx, check_idx_layout, check_in_storage, check_pool_values,
+                     check_run_inputs, check_scale, check_step_inputs, check_step_memory, check_step_values, gate_form,
+                     token_rows)
 from .pool import Pool
 from .registry import launch, resolve
 
@@ -83,10 +84,21 @@ def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: b
 
 def _check_call(pool: Pool, idx: torch.Tensor, check: bool) -> None:
     """The checks of ``flush`` and ``step`` on the pool and ``idx`` (whose layout the caller has checked)."""
+    check_in_storage(idx, "idx")
     pool.check_layout(force=check)
     if check:
         check_pool_values(pool)
         check_idx(pool, idx)
+        check_hcnt(pool, idx)
+
+
+def _check_step(pool: Pool, idx: torch.Tensor, q, k, v, g, beta, out, check: bool) -> None:
+    """The checks of ``step`` on its tensors (in their ``[B, ...]`` forms, shapes already checked) after
+    :func:`_check_call`: their memory on every call (no synchronisation; ``out`` None when the step allocates it);
+    with ``check`` their values."""
+    check_step_memory(pool, idx, q, k, v, g, beta, out)
+    if check:
+        check_step_values(pool, idx, q, k, v, g, beta)
 
 
 def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -132,9 +144,11 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     g = token_rows(g, "g", 3 if pool.gate == "kda" else 2, B, gate_form(pool.gate))
     o = None if out is None else token_rows(out, "out", 3, B)
     check_step_inputs(pool, q, k, v, g, beta, o)
+    scale = check_scale(pool.head_k ** -0.5 if scale is None else scale)
+    if not torch.compiler.is_compiling():
+        _check_step(pool, idx, q, k, v, g, beta, o, check)  # the op checks them when it runs
     if o is None:
         o = torch.empty(B, pool.heads, pool.head_v, dtype=q.dtype, device=pool.device)
-    scale = float(pool.head_k ** -0.5 if scale is None else scale)
     if not torch.compiler.is_compiling():
         launch(pool, resolve(backend, pool, "step").step, idx, q, k, v, g, beta, scale, bool(use_qk_l2norm), o)
         return o
@@ -195,10 +209,18 @@ def _custom_op(name: str, params: tuple, mutated: tuple[str, ...], body):
 _flush_op = _custom_op(
     "flush", _POOL_PARAMS + _TAIL_PARAMS, ("raw", "kbuf", "ubuf", "w", "pcum", "gbuf"),
     lambda pool, a: launch(pool, resolve(a["backend"], pool, "flush").flush, a["idx"]))
+
+
+def _run_step_op(pool: Pool, a: dict) -> None:
+    check_scale(a["scale"])
+    _check_step(pool, *(a[n] for n in ("idx", "q", "k", "v", "g", "beta", "out", "check")))
+    launch(pool, resolve(a["backend"], pool, "step").step,
+           *(a[n] for n in ("idx", "q", "k", "v", "g", "beta", "scale", "use_qk_l2norm", "out")))
+
+
 _step_op = _custom_op(
     "step", _POOL_PARAMS + _STEP_PARAMS + _TAIL_PARAMS, ("raw", "kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt", "out"),
-    lambda pool, a: launch(pool, resolve(a["backend"], pool, "step").step,
-                           *(a[n] for n in ("idx", "q", "k", "v", "g", "beta", "scale", "use_qk_l2norm", "out"))))
+    _run_step_op)
 
 
 def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0, backend: BackendName = "auto", iters: int = 1):

@@ -195,12 +195,12 @@ class Pool:
         if force or not getattr(self, "_checked", False):
             check_pool(self)
             object.__setattr__(self, "_checked", True)
-            object.__setattr__(self, "_spans", None)
+            object.__setattr__(self, "_spans", None)  # the tensors' address ranges, taken again when needed
 
-    def tensor_spans(self) -> list[tuple]:
-        """The byte ranges of the pool's base tensors (:func:`.checks.spans`, named ``pool.raw`` ...), what the
-        arguments of ``states`` and ``load_states`` must stay clear of; computed once after the metadata was checked
-        (:meth:`check_layout`) and kept until an attribute is assigned."""
+    def tensor_spans(self) -> tuple:
+        """The address ranges of the pool's base tensors (:func:`.checks.spans`, named ``pool.raw`` ...), what the
+        tensors a call writes or reads while it writes the pool must stay clear of; computed once after the metadata
+        was checked (:meth:`check_layout`) and kept until an attribute is assigned."""
         sp = getattr(self, "_spans", None)
         if sp is None:
             sp = spans({n: getattr(self, n) for n in POOL_BASE}, prefix="pool.")
@@ -272,8 +272,7 @@ class Pool:
             check_states_out_apart(self, out, s)
         b = resolve(backend, self, "states")
         if s.numel():
-            with torch.no_grad():
-                launch(self, b.states, s, out, bool(state_v_first))
+            launch(self, b.states, s, out, bool(state_v_first))
         return out
 
     def load_states(self, slots, states: torch.Tensor, *, backend: str = "auto", check: bool = True,
@@ -292,8 +291,7 @@ class Pool:
             check_state_values(states)
         b = resolve(backend, self, "states")
         if s.numel():
-            with torch.no_grad():  # a state that requires grad leaves no autograd history in the pool
-                launch(self, b.load_states, s, S, bool(state_v_first))
+            launch(self, b.load_states, s, S, bool(state_v_first))
 
     def append(self, slots, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
         """One token per slot into the ring (SPEC §6 steps 1-4): the decode step's ring update, in plain torch.

@@ -146,9 +146,16 @@ def resolve(name: str, pool: "Pool", op: str = "flush") -> Backend:
 def launch(pool: "Pool", fn, *args) -> None:
     """``fn(pool, *args)`` (a backend's operation) with the pool's GPU current, restored afterwards: Triton launches
     on the current device (with a pool on another GPU it refuses the pointers), and some torch ops of the reference
-    fault there; the current stream is then that device's."""
-    if pool.device.type != "cuda":
-        fn(pool, *args)
-        return
-    with torch.cuda.device(pool.device):
-        fn(pool, *args)
+    fault there; the current stream is then that device's. Autograd is off throughout, on every backend: inputs that
+    require grad (a token, ``q0``, a state) would leave a history on the pool's tensors, growing call after call (the
+    flag is set by the function form: ``with torch.no_grad()`` costs several microseconds of host time per call)."""
+    grad = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)
+    try:
+        if pool.device.type != "cuda":
+            fn(pool, *args)
+            return
+        with torch.cuda.device(pool.device):
+            fn(pool, *args)
+    finally:
+        torch.set_grad_enabled(grad)

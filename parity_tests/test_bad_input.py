@@ -59,6 +59,13 @@ def _same_bytes(a: dict, b: dict) -> list[str]:
     return [n for n in a if not torch.equal(a[n], b[n])]
 
 
+def _shrunk(t, keep_bytes):
+    """``t`` (a fresh tensor) with its storage cut to ``keep_bytes``: its shape still says more."""
+    t = t.clone()
+    t.untyped_storage().resize_(keep_bytes)
+    return t
+
+
 def _i32(*values):
     return torch.tensor(values, dtype=torch.int32)
 
@@ -575,14 +582,6 @@ def _region(pool, slot: int, n: int = 1) -> torch.Tensor:
                                                                                      pool.head_k)
 
 
-def _shrunk(shape, dtype, keep_bytes: int) -> torch.Tensor:
-    """A tensor of ``shape`` whose storage was cut to ``keep_bytes`` under it (through another view)."""
-    t = torch.zeros(shape, dtype=dtype)
-    view = t[:]
-    t.untyped_storage().resize_(keep_bytes)
-    return view
-
-
 def _heads_overlapping(pool, n=2) -> torch.Tensor:
     """An ``out`` whose heads are each dense, but row 1's head 0 is row 0's head 1 (strides [2VK, 2VK, K, 1]): the
     dense-heads check passes, the heads share memory."""
@@ -669,12 +668,12 @@ def test_state_arguments_inside_their_storage(backend, case, check):
     n, HV, V, K = 2, pool.heads, pool.head_v, pool.head_k
     slots = torch.tensor([1, 2])
     if arg == "slots":
-        slots = _shrunk((n,), torch.int64, 8)  # the first slot's bytes, not the second's
+        slots = _shrunk(torch.zeros(n, dtype=torch.int64), 8)  # the first slot's bytes, not the second's
     args = dict(slots=slots, out=torch.zeros(n, HV, V, K), states=torch.randn(n, HV, V, K))
     if arg == "out":
-        args["out"] = _shrunk((n, HV, V, K), torch.float32, 4 * HV * V * K)
+        args["out"] = _shrunk(torch.zeros(n, HV, V, K), 4 * HV * V * K)
     if arg == "states":
-        args["states"] = _shrunk((n, HV, V, K), torch.float32, 4 * HV * V * K)
+        args["states"] = _shrunk(torch.zeros(n, HV, V, K), 4 * HV * V * K)
     before = parity.snapshot(pool)
     with pytest.raises(ValueError, match=words):
         if op == "states":
@@ -803,7 +802,7 @@ def _autograd_free(pool) -> list[str]:
 
 
 @pytest.mark.parametrize("backend", STATE_BACKENDS + ["reference:graph"])
-def test_no_autograd_history_in_the_pool(backend, monkeypatch):
+def test_no_autograd_history_from_the_state_calls(backend, monkeypatch):
     """Inputs that require grad (``append``'s tokens, ``load_states``' states, ``states``' ``out``, a ``q0``) leave
     no autograd history in the pool: no pool tensor requires grad or has a ``grad_fn`` afterwards (``append`` and
     the reference's ``load_states`` recorded one)."""
@@ -819,3 +818,272 @@ def test_no_autograd_history_in_the_pool(backend, monkeypatch):
     assert _autograd_free(pool) == []
     leapquant.flush(pool, _i32(1, 2), backend="reference")
     assert _autograd_free(pool) == []
+
+
+# --- 10. the decode step's arguments ------------------------------------------------------------------------------
+#
+# Every call, check=False included: ``out`` shares no byte with the pool, the inputs or itself
+# (``test_step_out_that_aliases_is_refused``: it overwrote another slot's checkpoint, or gave wrong outputs after the
+# flush had written); every tensor argument lies inside its storage (``test_storage_shorter_than_the_tensor``: the
+# kernels read and wrote past it); ``scale`` a finite real number (``test_bad_scale_is_refused``). With check=True:
+# the token values ``append`` refuses (``test_step_refuses_values``) and fill counts outside [0, L]
+# (``test_out_of_domain_hcnt_is_refused``). Always: no autograd history enters the pool
+# (``test_no_autograd_history_from_the_step``); with check=False an out-of-domain count writes nothing outside its
+# program (``test_out_of_domain_hcnt_stays_in_its_program``).
+
+STEP_BACKENDS = ["reference"] + (["triton"] if "triton" in backends_here("cpu") else [])
+
+
+def _tokens(pool, B, H=None, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    HV, K, V = pool.heads, pool.head_k, pool.head_v
+    H = HV if H is None else H
+    return dict(q=torch.randn(B, H, K, generator=gen),
+                k=torch.nn.functional.normalize(torch.randn(B, H, K, generator=gen), dim=-1),
+                v=torch.randn(B, HV, V, generator=gen),
+                g=-0.1 * torch.rand(*((B, HV, K) if pool.gate == "kda" else (B, HV)), generator=gen),
+                beta=torch.rand(B, HV, generator=gen))
+
+
+def _raw_view_of_slot(pool, slot, B):
+    """``[B, HV, V]`` fp32 over the checkpoint bytes of ``slot`` in ``raw``."""
+    n = B * pool.heads * pool.head_v
+    start = pool.base + slot * pool.slot_stride
+    return pool.raw[start:start + n].view(B, pool.heads, pool.head_v)
+
+
+OUT_ALIASES = {
+    "a view of raw": (lambda pool, t, B: _raw_view_of_slot(pool, 5, B), "out and pool.raw"),
+    "heads sharing memory": (lambda pool, t, B: torch.zeros(B, 1, pool.head_v).expand(B, pool.heads, pool.head_v),
+                             "out must not have elements that share memory"),
+    "q itself": (lambda pool, t, B: t["q"], "out and q"),
+    "v itself": (lambda pool, t, B: t["v"][:], "out and v"),
+    "a view of kbuf": (lambda pool, t, B: pool.kbuf[5].view(torch.float32).reshape(-1)[:B * pool.heads * pool.head_v]
+                       .view(B, pool.heads, pool.head_v), "out and pool.kbuf"),
+    "a view of pcum": (lambda pool, t, B: pool.pcum.reshape(-1)[-B * pool.heads * pool.head_v:]
+                       .view(B, pool.heads, pool.head_v), "out and pool.pcum"),
+}
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("case", list(OUT_ALIASES))
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+def test_step_out_that_aliases_is_refused(backend, case, check):
+    """An ``out`` that shares bytes with a pool tensor, an input or itself is refused with check=False too, before
+    the flush of the full rings writes anything (a view of ``raw`` overwrote slot 5's checkpoint; heads sharing
+    memory gave wrong outputs on Triton and a torch error on the reference after the flush)."""
+    pool = _pool("kda", num_slots=8)
+    B = 3
+    idx = _i32(1, 2, 3)
+    t = _tokens(pool, B)
+    make, words = OUT_ALIASES[case]
+    out = make(pool, t, B)
+    before = parity.snapshot(pool)
+    inputs = {n: x.clone() for n, x in t.items()}
+    with pytest.raises(ValueError, match=words):
+        leapquant.step(pool, idx, **t, out=out, backend=backend, check=check)
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+    assert all(torch.equal(inputs[n], t[n]) for n in t)
+
+
+@pytest.mark.parametrize("name", ["idx", "q", "k", "v", "g", "beta", "out"])
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+def test_storage_shorter_than_the_tensor(backend, name):
+    """With check=False, a token tensor, ``out`` or ``idx`` whose storage is shorter than its shape and strides say
+    is refused, naming it, before anything is written (the kernels read and wrote past the allocation)."""
+    pool = _pool("kda", num_slots=5)
+    B = 3
+    t = dict(_tokens(pool, B), idx=_i32(1, 2, 3), out=torch.zeros(B, pool.heads, pool.head_v))
+    t[name] = _shrunk(t[name], t[name].element_size() * (t[name].numel() // 2))
+    before = parity.snapshot(pool)
+    with pytest.raises(ValueError, match=rf"\b{name} reaches byte"):
+        leapquant.step(pool, backend=backend, check=False, **t)
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flush_idx_shorter_than_its_storage(backend, monkeypatch):
+    pool = _pool("kda", num_slots=5)
+    idx = _shrunk(_i32(1, 2, 3, 4), 8)
+    before = parity.snapshot(pool)
+    with pytest.raises(ValueError, match=r"\bidx reaches byte"):
+        _flush(backend, pool, idx, monkeypatch, check=False)
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+STEP_VALUES_BAD = {
+    "KDA gate overflowing fp16": ("kda", "g", 60.0, "g must be <= 11"),
+    "GDN gate overflowing fp32": ("gdn", "g", 100.0, "g must be <= 88"),
+    "NaN q": ("kda", "q", float("nan"), r"\bq must be finite"),
+    "inf k": ("gdn", "k", float("inf"), r"\bk must be finite"),
+    "NaN v": ("kda", "v", float("nan"), r"\bv must be finite"),
+    "NaN g": ("kda", "g", float("nan"), r"\bg must be finite"),
+    "-inf g": ("gdn", "g", -float("inf"), r"\bg must be finite"),
+    "NaN beta": ("gdn", "beta", float("nan"), r"\bbeta must be finite"),
+}
+
+
+@pytest.mark.parametrize("case", list(STEP_VALUES_BAD))
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+def test_step_refuses_values(backend, case):
+    """With check=True the step refuses the token values ``append`` refuses (KDA ``g = 60`` stored ``gbuf = inf``
+    and every output was non-finite; GDN ``g = 100`` made ``pcum`` and ``w`` infinite), naming the tensor, before the
+    flush of the full rings writes anything."""
+    gate, name, value, words = STEP_VALUES_BAD[case]
+    pool = _pool(gate, num_slots=5)
+    t = _tokens(pool, 3)
+    t[name] = t[name].clone()
+    t[name].view(-1)[1] = value
+    before = parity.snapshot(pool)
+    with pytest.raises(ValueError, match=words):
+        leapquant.step(pool, _i32(1, 2, 3), **t, backend=backend)
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+def test_step_values_of_padding_rows_are_not_read():
+    """Padding rows are neither read nor written (SPEC §6): check=True does not refuse their values."""
+    pool = _pool("kda", num_slots=5)
+    t = _tokens(pool, 3)
+    for name in t:
+        t[name][1] = float("nan")
+    o = leapquant.step(pool, _i32(1, 0, 3), **t, backend="reference")
+    assert float(o[1].abs().max()) == 0.0 and bool(torch.isfinite(o).all())
+
+
+SCALES_BAD = {
+    "NaN": (float("nan"), ValueError),
+    "inf": (float("inf"), ValueError),
+    "-inf": (-float("inf"), ValueError),
+    "a string": ("abc", TypeError),
+    "a bool": (True, TypeError),
+    "a complex": (1j, TypeError),
+    "a list": ([0.5], TypeError),
+}
+
+
+@pytest.mark.parametrize("check", [False, True])
+@pytest.mark.parametrize("case", list(SCALES_BAD))
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+def test_bad_scale_is_refused(backend, case, check):
+    """``scale`` is a host number: a finite real is required on every call (NaN and inf were taken, and "abc" failed
+    parsing a float without naming it), before anything is written."""
+    value, exc = SCALES_BAD[case]
+    pool = _pool("kda", num_slots=5)
+    before = parity.snapshot(pool)
+    with pytest.raises(exc, match=r"\bscale\b"):
+        leapquant.step(pool, _i32(1, 2, 3), **_tokens(pool, 3), scale=value, backend=backend, check=check)
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+
+
+def test_step_takes_real_scales():
+    import numpy as np
+
+    pool = _pool("kda", num_slots=5)
+    outs = [leapquant.step(parity.twin(pool), _i32(1, 2, 3), **_tokens(pool, 3), scale=s, backend="reference")
+            for s in (2, 2.0, np.float32(2.0))]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+POOL_ATTRS = parity.POOL_TENSORS + ("codes", "codes32", "s_k", "s_v", "s_kv", "uq", "u", "q")
+
+
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+def test_no_autograd_history_from_the_step(backend, gate):
+    """Inputs that require grad (a token tensor, the pool's ``q0``) leave no autograd history in the pool: on the
+    reference ``kbuf``, ``ubuf``, ``s_k``, ``u`` kept a ``grad_fn`` (memory grew step after step)."""
+    pool = _pool(gate, num_slots=5)
+    pool.q0.requires_grad_(True)
+    t = _tokens(pool, 3)
+    for x in t.values():
+        x.requires_grad_(True)
+    leapquant.step(pool, _i32(1, 2, 3), **t, backend=backend)  # every ring full: flushed first, with q0
+    leapquant.flush(pool, _i32(1, 2, 3), backend=backend)
+    leapquant.step(pool, _i32(1, 2, 3), **t, out=torch.empty(3, pool.heads, pool.head_v), backend=backend,
+                   check=False)
+    tracked = [n for n in POOL_ATTRS if getattr(pool, n) is not None
+               and (getattr(pool, n).requires_grad or getattr(pool, n).grad_fn is not None)]
+    assert tracked == []
+
+
+@pytest.mark.parametrize("op", ["step", "flush"])
+@pytest.mark.parametrize("bad", [17, -3])
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+def test_out_of_domain_hcnt_is_refused(backend, bad, op):
+    """With check=True a named row whose fill count lies outside [0, L] is refused, naming pool.hcnt (a count above L
+    dropped the ring's entries without flushing them; a negative one dropped the token and counted further down);
+    the same count in a slot that is not named is no error."""
+    pool = _pool("kda", num_slots=6)
+    pool.hcnt[2, 1] = bad
+    pool.hcnt[5, 0] = bad
+    before = parity.snapshot(pool)
+    t = _tokens(pool, 3)
+
+    def call(idx):
+        if op == "step":
+            leapquant.step(pool, idx, **t, backend=backend)
+        else:
+            leapquant.flush(pool, idx, backend=backend)
+
+    with pytest.raises(ValueError, match=r"pool\.hcnt"):
+        call(_i32(1, 2, 3))
+    assert _same_bytes(before, parity.snapshot(pool)) == []
+    call(_i32(1, 3, 4))
+
+
+def _program_bytes(pool, snap, slot, head):
+    """The bytes of program (slot, head) in a snapshot: its checkpoint and its ring rows."""
+    g = pool.geometry
+    start = 4 * (pool.base + slot * g.slot_stride + head * g.head_stride)
+    out = {"raw": snap["raw"].view(-1)[start:start + g.checkpoint_bytes]}
+    for name in snap:
+        if name != "raw":
+            t = getattr(pool, name)
+            out[name] = snap[name].view(t.shape[0], t.shape[1], -1)[slot, head]
+    return out
+
+
+@pytest.mark.parametrize("op", ["step", "flush"])
+@pytest.mark.parametrize("gate", GATES)
+@pytest.mark.parametrize("backend", STEP_BACKENDS)
+def test_out_of_domain_hcnt_stays_in_its_program(backend, gate, op):
+    """With check=False a program whose fill count lies outside [0, L] (L + 5, -3, the int32 extremes) gets an
+    undefined result, but nothing outside it changes: over random pool bytes, every other program of the named
+    slots holds the bytes a call on in-domain counts gives, and every byte outside the named slots' programs is as
+    it was (an entry index past the ring would write the next head's ring)."""
+    L = 16
+    pool = leapquant.Pool(6, 3, 64, 64, L, 4, gate=gate)
+    gen = torch.Generator().manual_seed(8)
+    for name in parity.POOL_TENSORS:
+        if getattr(pool, name) is not None and name != "hcnt":
+            iv = getattr(pool, name).view(torch.uint8)
+            iv.copy_(torch.randint(0, 256, iv.shape, generator=gen, dtype=torch.uint8))
+    fill(pool, [1, 2, 3, 4], "gaussian", gen, due=torch.rand(4, 3, generator=gen) < 0.5)
+    bad = {(2, 0): L + 5, (2, 2): -3, (3, 1): 2**31 - 1, (4, 2): -2**31}
+    good = parity.twin(pool)
+    for (s, h), value in bad.items():
+        pool.hcnt[s, h] = value
+        good.hcnt[s, h] = 3
+    idx = _i32(2, 0, 3, 4)
+    before = parity.snapshot(pool)
+    t = _tokens(pool, idx.numel(), seed=5)
+    for p in (pool, good):
+        if op == "step":
+            leapquant.step(p, idx, **t, backend=backend, check=False)
+        else:
+            leapquant.flush(p, idx, backend=backend, check=False)
+    after, want = parity.snapshot(pool), parity.snapshot(good)
+    programs = [(s, h) for s in (2, 3, 4) for h in range(3)]
+    mask = pool.checkpoint_mask(torch.tensor([s for s, _ in programs]), torch.tensor([h for _, h in programs]))
+    assert torch.equal(after["raw"][~mask], before["raw"][~mask]), "raw outside the named programs changed"
+    for name in after:
+        if name != "raw":
+            n = getattr(pool, name).shape[0]
+            rows = torch.ones(n, dtype=torch.bool)
+            rows[[2, 3, 4]] = False
+            a, b = after[name].view(n, -1), before[name].view(n, -1)
+            assert torch.equal(a[rows], b[rows]), f"{name} of a slot not named changed"
+    for s, h in programs:
+        if (s, h) not in bad:
+            got, exp = _program_bytes(pool, after, s, h), _program_bytes(good, want, s, h)
+            assert [n for n in got if not torch.equal(got[n], exp[n])] == [], (s, h)

@@ -46,8 +46,8 @@ def _randomise(pool: leapquant.Pool, g: torch.Generator) -> None:
                                                                                else ()):
         b = t.view(torch.uint8) if t.dim() else t
         b.copy_(torch.randint(0, 256, b.shape, dtype=torch.uint8, generator=g).to(b.device))
-    # a random hcnt is almost never L; make sure of it
-    pool.hcnt.copy_(torch.where(pool.hcnt == pool.ring, pool.hcnt + 1, pool.hcnt))
+    # fill counts in [0, L) (not due): a count outside [0, L] is refused by check=True
+    pool.hcnt.copy_(torch.remainder(pool.hcnt, pool.ring))
 
 
 def _fill_program(pool, s: int, h: int, g: torch.Generator, scale: float = 1.0, zero: bool = False) -> None:
