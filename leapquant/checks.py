@@ -73,15 +73,6 @@ def _expect(t, name: str, dtype: torch.dtype, shape: tuple, device: torch.device
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
-def _extent(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last + 1) bytes of ``t``'s elements in its storage (``t`` non-empty, non-negative strides)."""
-    size, first = t.element_size(), t.storage_offset()
-    if t.is_contiguous():  # the common case, without the loop over dimensions (every call checks its tensors)
-        return first * size, (first + t.numel()) * size
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return first * size, (first + last + 1) * size
-
-
 def _in_storage(t: torch.Tensor, name: str) -> tuple[int, int] | None:
     """Every element of ``t`` lies inside its storage: a tensor whose storage was shrunk under it (another view's
     ``untyped_storage().resize_``) would send a kernel past the allocation. Returns the address range
@@ -172,11 +163,11 @@ def check_pool_tensors(geo: "Geometry", tensors: dict, prefix: str = "") -> None
                          f"words for num_slots={NS} in the {geo.layout} layout, got {raw.numel()}")
     for name, (dtype, shape) in want.items():
         _dense(tensors.get(name), prefix + name, dtype, shape, dev)
-    spans = sorted((t.untyped_storage().data_ptr(), *_extent(t), name) for name, t in tensors.items()
-                   if t is not None and t.numel())
-    for (st_a, _, end_a, a), (st_b, start_b, _, b) in zip(spans, spans[1:]):
-        if st_a == st_b and start_b < end_a:
-            raise ValueError(f"{prefix}{a} and {prefix}{b} overlap in memory: each pool tensor needs its own bytes")
+    # the same address ranges every call compares its outputs with (spans), sorted: neighbours must not overlap
+    ranges = sorted((lo, hi, name) for name, lo, hi in spans(tensors, prefix))
+    for (_, end_a, a), (start_b, _, b) in zip(ranges, ranges[1:]):
+        if start_b < end_a:
+            raise ValueError(f"{a} and {b} overlap in memory: each pool tensor needs its own bytes")
 
 
 def check_pool(pool: "Pool") -> None:
