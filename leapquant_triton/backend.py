@@ -10,7 +10,7 @@ import torch
 from leapquant.backends import Backend, Requirements, capability
 from leapquant.constants import SUPPORTED_HEAD_DIMS, SUPPORTED_RANKS, SUPPORTED_RINGS
 
-from .targets import MIN_TRITON, SUPPORTED_CAPABILITIES, interpreting, triton_release
+from .targets import MIN_TRITON, SUPPORTED_CAPABILITIES, interpreting, step_kernels_note, triton_release
 
 if TYPE_CHECKING:
     from leapquant.pool import Pool
@@ -29,7 +29,10 @@ class TritonBackend(Backend):
     # (docs/DESIGN.md, "TileLang against Triton: where each wins"); it also takes any head count and keeps SPEC §4's
     # wider domain
     priority = 20
-    description = "Triton kernel, one program per (row, head); CUDA sm_80-120 (CPU under TRITON_INTERPRET=1)"
+    @property
+    def description(self) -> str:
+        return ("Triton kernels, one program per (row, head); CUDA sm_80-120 (CPU under TRITON_INTERPRET=1). "
+                + step_kernels_note())
     requirements = Requirements(
         devices=("cuda", "cpu"),
         capabilities=SUPPORTED_CAPABILITIES,

@@ -29,8 +29,15 @@ from .flush import SCHEDULES, kernel_constants
 from .flush_kernel import leapquant_flush_kernel
 from .states import KERNELS as STATES_KERNELS
 from .states import states_constants
-from .step import step_build
-from .targets import STEP_CAPABILITIES, SUPPORTED_CAPABILITIES, compile_options, mma_sync_only, warps_and_cap
+from .step import gluon_kernel, gluon_shape, step_build
+from .targets import (
+    GLUON_RELEASES,
+    STEP_CAPABILITIES,
+    SUPPORTED_CAPABILITIES,
+    compile_options,
+    mma_sync_only,
+    warps_and_cap,
+)
 
 # shared memory per block (opt-in maximum), bytes, from the CUDA programming guide's table of compute capabilities
 SMEM_LIMIT = {75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
@@ -54,12 +61,14 @@ _STEP_POINTERS = {
 }
 # the states kernels' pointers beyond the flush's (the caller's states, in and out)
 _STATES_POINTERS = dict(_POINTERS, slots="*i32", states="*fp32", out="*fp32")
-# what the step's builds are named in the reports, beside the flush's SCHEDULES
+# what the step's builds are named in the reports, beside the flush's SCHEDULES: the tl kernel (sm_75's FMA kernel
+# there) and the Gluon kernel (claimed where the backend launches it: step.kernel_for)
 STEP = "step"
+STEP_GLUON = "step-gluon"
 # the states builds: each kernel with the V-first state and (-kv) FLA's [K, V] one
 STATES = tuple(f"{which}{lay}" for which in STATES_KERNELS for lay in ("", "-kv"))
 # the builds of each op, as --ops selects them
-OPS = {"flush": SCHEDULES, "step": (STEP,), "states": STATES}
+OPS = {"flush": SCHEDULES, "step": (STEP, STEP_GLUON), "states": STATES}
 
 
 @dataclass
@@ -102,11 +111,13 @@ class Report:
     seconds: float = 0.0
     error: str = ""
     mma: str = ""  # the tensor-core instructions of the PTX (mma_family)
+    claim: bool = True  # False: a build the backend does not launch here (the Gluon step off its shapes or releases)
     prefetches: int = 0  # bulk L2 prefetches in the PTX (the list build on sm_90 and later: flush.prefetch_ahead)
 
     def line(self) -> str:
         if self.error:
-            return f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<9} FAIL  {self.error}"
+            flag = "FAIL" if self.claim else "--  "
+            return f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<9} {flag}  {self.error}"
         flag = "ok  " if self.ok else "FAIL"
         return (f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<9} {flag}  warps {self.num_warps:2d}  "
                 f"regs {self.regs:3d}/{MAX_REGS}  spill {self.spill_bytes:4d} B  "
@@ -164,12 +175,12 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
     ``LIST`` switch of :func:`leapquant_flush_kernel`), the step kernel (``kernel="step"``: :func:`compile_step`) or
     a states kernel (``kernel`` in :data:`STATES`: :func:`compile_states`), for ``sm_<arch>`` at ``shape`` and check
     it against the architecture's limits."""
-    if kernel == STEP:
-        return compile_step(arch, shape, num_warps)
+    if kernel in (STEP, STEP_GLUON):
+        return compile_step(arch, shape, num_warps, gluon=kernel == STEP_GLUON)
     if kernel in STATES:
         return compile_states(arch, shape, kernel.removesuffix("-kv"), not kernel.endswith("-kv"))
     if kernel not in SCHEDULES:
-        raise ValueError(f"kernel must be one of {SCHEDULES + (STEP,) + STATES}, not {kernel!r}")
+        raise ValueError(f"kernel must be one of {SCHEDULES + (STEP, STEP_GLUON) + STATES}, not {kernel!r}")
     nw, maxnreg = warps_and_cap(shape.head_k, shape.head_v, num_warps, maxnreg)  # the backend's launch
     # as flush_pool launches it (griddepcontrol and the bulk L2 prefetch need sm_90; the prefetch distance, two
     # programs per SM of the GPU at hand, only moves a constant: the H200's is taken)
@@ -185,13 +196,24 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
     return rep
 
 
-def compile_step(arch: int, shape: Shape, num_warps: int | None = None) -> Report:
-    """Compile the step kernel (q / k l2-normalised: the larger build) as :func:`.step.step_pool` launches it for
-    ``sm_<arch>`` at ``shape`` (:func:`.step.step_build`): from sm_80 :func:`.step_kernel.leapquant_step_kernel`, its
-    int8 and bf16 products as ``mma.sync``; on sm_75 :func:`.step_kernel.leapquant_step_fma_kernel`, no tensor cores.
-    Never wgmma or tcgen05."""
-    kernel, constexprs, options = step_build(_geometry(shape), FIRST_SLOT, True, arch)
-    constexprs["NATIVE"] = True
+def compile_step(arch: int, shape: Shape, num_warps: int | None = None, gluon: bool = False) -> Report:
+    """Compile a step kernel (q / k l2-normalised: the larger build) as :func:`.step.step_pool` launches it for
+    ``sm_<arch>`` at ``shape`` (:func:`.step.step_build`). ``gluon`` False: from sm_80
+    :func:`.step_kernel.leapquant_step_kernel`, its int8 and bf16 products as ``mma.sync``; on sm_75
+    :func:`.step_kernel.leapquant_step_fma_kernel`, no tensor cores. True: :mod:`.step_gluon`'s kernel (``mma.sync``,
+    its explicit ``mma_v2``), claimed where :func:`.step.kernel_for` takes it; elsewhere not built. Never wgmma or
+    tcgen05."""
+    geometry = _geometry(shape)
+    name = STEP_GLUON if gluon else STEP
+    if gluon:
+        if arch < 80 or not gluon_shape(geometry) or gluon_kernel() is None:
+            return Report(arch, shape, name, 0, ok=False, claim=False,
+                          error="not built: the Gluon step covers 128 x 128, ring 16, rank <= 4, sm_80+, Triton "
+                                + " / ".join(".".join(map(str, r)) for r in GLUON_RELEASES))
+        kernel, constexprs, options = step_build(geometry, FIRST_SLOT, True, arch, "gluon")
+    else:
+        kernel, constexprs, options = step_build(geometry, FIRST_SLOT, True, arch, "fma" if arch < 80 else "mma")
+        constexprs["NATIVE"] = True
     if num_warps:
         options["num_warps"] = num_warps
     ints = {k: "i32" for k in ("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "sg_n", "sg_h", "sb_n", "sb_h",
@@ -199,7 +221,7 @@ def compile_step(arch: int, shape: Shape, num_warps: int | None = None) -> Repor
     signature = dict(_STEP_POINTERS, **ints, scale="fp32", NS="i32", HV="i32", G="i32", SS="i32", HS="i32",
                      **{k: "constexpr" for k in constexprs})
     rep = _build(kernel, signature, constexprs, _STEP_POINTERS, arch, options,
-                 Report(arch, shape, STEP, options["num_warps"], ok=False))
+                 Report(arch, shape, name, options["num_warps"], ok=False))
     rep.ok = rep.ok and rep.mma == ("none" if arch < 80 else "mma.sync")
     return rep
 
@@ -231,6 +253,8 @@ def _build(fn, signature: dict, constexprs: dict, pointers: dict, arch: int, opt
 
     if not isinstance(fn, triton.runtime.jit.JITFunction):
         raise RuntimeError("the kernel was decorated under TRITON_INTERPRET=1; run the AOT check without it")
+    if type(fn).__name__ == "GluonJITFunction":  # Gluon's frontend: its own AST source
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     # every pointer of a pool is 16-byte aligned (torch allocations; the raw views start at multiples of 16 bytes)
     attrs = {(fn.arg_names.index(k),): [["tt.divisibility", 16]] for k in pointers}
     t0 = time.time()
@@ -253,7 +277,7 @@ def _build(fn, signature: dict, constexprs: dict, pointers: dict, arch: int, opt
 
 def claimed(rep: Report) -> bool:
     """Whether the backend claims ``rep``'s build on its architecture (only claimed builds can fail the check)."""
-    return rep.arch in (STEP_CAPABILITIES if rep.kernel == STEP else SUPPORTED_CAPABILITIES)
+    return rep.claim and rep.arch in (STEP_CAPABILITIES if rep.kernel == STEP else SUPPORTED_CAPABILITIES)
 
 
 def check(archs=ARCHS, shapes=SHAPES, out=sys.stdout, ops=tuple(OPS)) -> list[Report]:

@@ -1,14 +1,20 @@
-"""The host side of the Triton decode step: the builds of :mod:`.step_kernel` and :func:`step_pool`, which flushes the
-full rings of ``idx`` (:func:`.flush.flush_pool`) and then launches the step."""
+"""The host side of the Triton decode step: the builds of :mod:`.step_kernel` and :mod:`.step_gluon`, and
+:func:`step_pool`, which flushes the full rings of ``idx`` (:func:`.flush.flush_pool`) and then launches the step.
+
+Three kernels, one contract (SPEC §6): ``"gluon"`` (:mod:`.step_gluon`, explicit layouts: K = V = 128, ring 16, rank
+at most 4, sm_80 and later, the Triton releases of :data:`.targets.GLUON_RELEASES`), ``"mma"``
+(:func:`.step_kernel.leapquant_step_kernel`: every other shape on sm_80 and later, and the CPU's interpreter) and
+``"fma"`` (:func:`.step_kernel.leapquant_step_fma_kernel`: sm_75). :func:`kernel_for` picks one."""
 
 from __future__ import annotations
 
 import torch
+import triton
 
 from .flush import flush_pool
 from .launcher import Launcher, per_pool
 from .step_kernel import leapquant_step_fma_kernel, leapquant_step_kernel
-from .targets import compile_options, device_capability, interpreting, mma_sync_only
+from .targets import GLUON_RELEASES, compile_options, device_capability, interpreting, mma_sync_only, triton_release
 
 # two warps capped at 128 registers: eight programs per SM, faster than fewer, wider programs (docs/DESIGN.md)
 NUM_WARPS = 2
@@ -17,6 +23,9 @@ MAXNREG = 128
 # the fastest build of that kernel (docs/DESIGN.md)
 FMA_CHUNK = 4096
 FMA_WARPS = 4
+# the Gluon kernel: two warps capped at 128 registers, as the mma kernel (eight programs per SM)
+GLUON_WARPS = 2
+GLUON_MAXNREG = 128
 
 
 def uses_fma(capability: int | None) -> bool:
@@ -26,15 +35,55 @@ def uses_fma(capability: int | None) -> bool:
     return capability is not None and capability < 80
 
 
-def step_build(geometry, first_slot: int, use_qk_l2norm: bool, capability: int | None, fma: bool | None = None):
-    """(kernel, constexpr arguments, compile options) of the step for a pool whose real slots start at ``first_slot``
-    on a GPU of compute capability ``capability`` (None: the interpreter, which runs the tensor-core kernel's fp32 twin
-    unless ``fma``): what :func:`step_pool` launches and the AOT check compiles."""
+KERNELS = ("gluon", "mma", "fma")
+
+
+def gluon_kernel():
+    """The Gluon step kernel under a Triton release of :data:`.targets.GLUON_RELEASES`, else None (imported only
+    there: other releases' Gluon lacks what it uses)."""
+    if triton_release(triton.__version__) not in GLUON_RELEASES:
+        return None
+    from .step_gluon import leapquant_step_gluon_kernel
+    return leapquant_step_gluon_kernel
+
+
+def gluon_shape(geometry) -> bool:
+    """Whether the Gluon kernel covers ``geometry``: K = V = 128, ring 16, rank at most 4 (its layouts are built
+    for two warps over 128 channels and 16 ring entries; SPEC §2 allows rank up to 4)."""
     g = geometry
-    fma = uses_fma(capability) if fma is None else fma
-    consts = dict(FIRST=first_slot, K=g.head_k, V=g.head_v, L=g.ring, R=g.rank, BR=4, IS_KDA=g.gate == "kda",
-                  USE_QK_L2NORM=bool(use_qk_l2norm), NATIVE=capability is not None and not interpreting())
-    if fma:
+    return g.head_k == 128 and g.head_v == 128 and g.ring == 16 and g.rank <= 4
+
+
+def kernel_for(geometry, capability: int | None) -> str:
+    """The step kernel :func:`step_pool` launches by default for ``geometry`` on compute capability ``capability``
+    (None: the interpreter, which runs the ``mma`` kernel's fp32 twin)."""
+    if uses_fma(capability):
+        return "fma"
+    if capability is None or interpreting() or not gluon_shape(geometry) or gluon_kernel() is None:
+        return "mma"
+    return "gluon"
+
+
+def step_build(geometry, first_slot: int, use_qk_l2norm: bool, capability: int | None, kernel: str | None = None):
+    """(kernel, constexpr arguments, compile options) of the step for a pool whose real slots start at ``first_slot``
+    on a GPU of compute capability ``capability`` (None: the interpreter): ``kernel`` (one of :data:`KERNELS`;
+    default :func:`kernel_for`), what :func:`step_pool` launches and the AOT check compiles."""
+    g = geometry
+    kernel = kernel or kernel_for(g, capability)
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, not {kernel!r}")
+    consts = dict(FIRST=first_slot, K=g.head_k, V=g.head_v, L=g.ring, R=g.rank, IS_KDA=g.gate == "kda",
+                  USE_QK_L2NORM=bool(use_qk_l2norm))
+    if kernel == "gluon":
+        fn = gluon_kernel()
+        if fn is None or not gluon_shape(g) or capability is None or capability < 80:
+            raise ValueError(f"the Gluon step kernel needs K = V = 128, ring 16, rank <= 4, sm_80+ and Triton "
+                             f"{' or '.join('.'.join(map(str, r)) for r in GLUON_RELEASES)}; "
+                             f"have {g.head_k}x{g.head_v}, ring {g.ring}, rank {g.rank}, capability {capability}, "
+                             f"Triton {triton.__version__}")
+        return fn, dict(consts, NW=GLUON_WARPS), compile_options(GLUON_WARPS, GLUON_MAXNREG)
+    consts.update(BR=4, NATIVE=capability is not None and not interpreting())
+    if kernel == "fma":
         return leapquant_step_fma_kernel, dict(consts, BV=min(g.head_v, FMA_CHUNK // g.head_k)), \
             compile_options(FMA_WARPS, None)
     return leapquant_step_kernel, dict(consts, BL=max(g.ring, 16)), compile_options(NUM_WARPS, MAXNREG)
@@ -45,7 +94,14 @@ _LAUNCHERS = {leapquant_step_kernel: Launcher(leapquant_step_kernel, mma_sync_on
               leapquant_step_fma_kernel: Launcher(leapquant_step_fma_kernel, mma_sync_only)}
 
 
-def _prepared(pool, use_qk_l2norm: bool, fma: bool | None):
+def _launcher(fn) -> Launcher:
+    """The launcher of ``fn`` (the Gluon kernel's made on first use)."""
+    if fn not in _LAUNCHERS:
+        _LAUNCHERS[fn] = Launcher(fn, mma_sync_only)
+    return _LAUNCHERS[fn]
+
+
+def _prepared(pool, use_qk_l2norm: bool, kernel: str | None):
     """The step's launch with the pool's tensors and constants bound once (:meth:`.launcher.Launcher.prepare`),
     prepared again when a tensor of the pool moved (:func:`.launcher.per_pool`)."""
     g = pool.geometry
@@ -54,23 +110,22 @@ def _prepared(pool, use_qk_l2norm: bool, fma: bool | None):
                    hcnt=pool.hcnt)
 
     def make():
-        kernel, consts, options = step_build(g, pool.first_slot, use_qk_l2norm, device_capability(pool.raw.device),
-                                             fma)
+        fn, consts, options = step_build(g, pool.first_slot, use_qk_l2norm, device_capability(pool.raw.device),
+                                         kernel)
         static = dict(tensors, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, HS=g.head_stride, **consts)
-        return _LAUNCHERS[kernel].prepare(static, options)
+        return _launcher(fn).prepare(static, options)
 
-    key = ("step", g, pool.first_slot, bool(use_qk_l2norm), fma)
+    key = ("step", g, pool.first_slot, bool(use_qk_l2norm), kernel)
     return per_pool(pool.raw, key, tensors.values(), make)
 
 
 def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
               beta: torch.Tensor, scale: float, use_qk_l2norm: bool, out: torch.Tensor,
-              fma: bool | None = None) -> None:
+              kernel: str | None = None) -> None:
     """One decode token per row of ``idx`` (int32 ``[N]``) on ``pool`` in place, ``out`` written (SPEC §6).
 
     Flushes the full rings of ``idx`` first (:func:`.flush.flush_pool`; stream order makes the step see the new
-    checkpoints), then launches :func:`.step_kernel.leapquant_step_kernel`
-    (:func:`.step_kernel.leapquant_step_fma_kernel` on sm_75, or where ``fma`` asks: the tests run both) on grid
+    checkpoints), then launches the step kernel ``kernel`` (default :func:`kernel_for`; the tests run each) on grid
     ``(N, HV)``. ``q``, ``k`` ``[N, H, K]`` (H dividing HV), ``v`` ``[N, HV, V]``, ``g`` ``[N, HV, K]`` (KDA) or
     ``[N, HV]`` (GDN), ``beta`` ``[N, HV]``, ``out`` ``[N, HV, V]``: float32, bfloat16 or float16, unit last stride. No
     host synchronisation and no allocation beyond the flush's: graph-capturable."""
@@ -82,4 +137,4 @@ def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dynamic = dict(idx=idx, q=q, k=k, v=v, g=g, beta=beta, out=out, **strides, scale=float(scale),
                    G=pool.heads // q.shape[1])
     flush_pool(pool, idx)
-    _prepared(pool, use_qk_l2norm, fma)((N, pool.heads), dynamic)
+    _prepared(pool, use_qk_l2norm, kernel)((N, pool.heads), dynamic)

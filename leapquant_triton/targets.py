@@ -26,6 +26,25 @@ STEP_CAPABILITIES = (75,) + SUPPORTED_CAPABILITIES
 # release from it to the newest). On 3.4 the griddepcontrol helpers do not compile and ring 32 with ITERS 2 spills past
 # the limit; an older Triton makes ``available()`` say so, and ``auto`` passes the backend over rather than fail.
 MIN_TRITON = (3, 5)
+# The Triton releases whose Gluon the decode step's Gluon kernel is written and checked for (its API changes between
+# releases: 3.9 has no ``thread_barrier``); under the others the ``tl`` kernel serves every shape.
+GLUON_RELEASES = ((3, 6),)
+
+
+def step_kernels_note() -> str:
+    """Which decode-step kernel serves which shapes under the installed Triton (read from its metadata: this module
+    does not import Triton), for ``python -m leapquant info``."""
+    import importlib.metadata as md
+
+    try:
+        here = triton_release(md.version("triton"))
+    except (md.PackageNotFoundError, ValueError):
+        here = None
+    gluon = " / ".join(".".join(map(str, r)) for r in GLUON_RELEASES)
+    now = ("taken here" if here in GLUON_RELEASES else
+           f"not with Triton {'.'.join(map(str, here)) if here else '(none)'} here: the tl kernel serves every shape")
+    return (f"decode step: the Gluon kernel for K = V = 128, ring 16, rank <= 4 on sm_80+ under Triton {gluon} "
+            f"({now}); the tl kernel for the other shapes; sm_75 its FMA kernel")
 
 
 def triton_release(version: str) -> tuple[int, int]:

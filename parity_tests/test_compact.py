@@ -269,30 +269,31 @@ STEP_CASES = [
     # gate, K, V, L, R, HV, H, convention, dtype, l2norm, layout of the tokens
     ("kda", 64, 64, 8, 2, 2, 1, "vllm", torch.float32, False, "padded"),
     ("gdn", 128, 64, 16, 3, 2, 2, "sglang", torch.bfloat16, True, "contiguous"),
+    ("kda", 128, 128, 16, 4, 2, 1, "vllm", torch.float16, False, "heads_first"),  # the Gluon kernel's shape
 ]
 
 
 @needs_triton
-@pytest.mark.parametrize("fma", [None, True], ids=["tc", "fma"])
+@pytest.mark.parametrize("kernel", ts.KERNEL_PARAMS)
 @pytest.mark.parametrize("gate,K,V,L,R,HV,H,convention,dtype,l2,layout", STEP_CASES,
                          ids=[f"{c[0]}-K{c[1]}V{c[2]}-{c[7]}" for c in STEP_CASES])
-def test_triton_step_compact(gate, K, V, L, R, HV, H, convention, dtype, l2, layout, fma):
+def test_triton_step_compact(gate, K, V, L, R, HV, H, convention, dtype, l2, layout, kernel):
     """The step on a compact pool (rings at every fill, one full: flushed inside) against the reference's step, as
     ``test_triton_step`` judges it (out, ring, untouched bytes), and byte for byte what it does on the engine twin:
     the same output and the same views."""
-    pool, g = ts._case(gate, K, V, L, R, HV, convention, seed=_seed(gate, K, V, fma), counts=[0, L // 2, L - 1, L],
+    pool, g = ts._case(gate, K, V, L, R, HV, convention, seed=_seed(gate, K, V, True if kernel == "fma" else None), counts=[0, L // 2, L - 1, L],
                        layout="compact")
     assert pool.layout == "compact"
     pad = 0 if convention == "vllm" else -1
     idx = [2, pad, 3, 5, 1, -7]
     twin = _twin(pool)
     gt = torch.Generator().manual_seed(_seed("tokens", gate))
-    before, A, B, tok, idx_t, out_ref, out = ts._run_step(pool, idx, H, dtype, l2, layout, gt, fma=fma)
+    before, A, B, tok, idx_t, out_ref, out = ts._run_step(pool, idx, H, dtype, l2, layout, gt, kernel=kernel)
     assert A.layout == B.layout == "compact"
     assert ts._check(before, A, B, tok, idx_t, out_ref, out, l2) == 3 * HV
     ts._measure_flush(pool, idx_t)
     out_e = torch.full_like(out, float("nan"))
-    step_pool(twin, idx_t, **tok, scale=0.3, use_qk_l2norm=l2, out=out_e, fma=fma)
+    step_pool(twin, idx_t, **tok, scale=0.3, use_qk_l2norm=l2, out=out_e, kernel=kernel)
     assert torch.equal(parity.as_bytes(out_e), parity.as_bytes(out))
     assert _same_contents(B, twin) == []
 

@@ -21,7 +21,8 @@ pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler")
 
 from leapquant_triton.flush import SCHEDULES  # noqa: E402
-from leapquant_triton.portability import MAX_SPILL_BYTES, STEP  # noqa: E402
+from leapquant_triton.portability import MAX_SPILL_BYTES, STEP, STEP_GLUON  # noqa: E402
+from leapquant_triton.step import gluon_kernel  # noqa: E402
 from leapquant_triton.targets import STEP_CAPABILITIES, SUPPORTED_CAPABILITIES  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,18 +44,25 @@ def test_claimed_architectures_fit():
     res = _run("--quick", "--ops", "flush,step", "--arch", ",".join(map(str, SUPPORTED_CAPABILITIES)))
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("sm_")]
-    # the flush's schedules and the step, per shape
-    assert len(rows) == 2 * (len(SCHEDULES) + 1) * len(SUPPORTED_CAPABILITIES), res.stdout
+    # the flush's schedules and the step's two kernels, per shape
+    assert len(rows) == 2 * (len(SCHEDULES) + 2) * len(SUPPORTED_CAPABILITIES), res.stdout
+    # the Gluon step is built where the backend launches it: the 128 x 128 shape under its Triton releases
+    gluon_here = gluon_kernel() is not None
     for line in rows:
-        kernels = "|".join(SCHEDULES + (STEP,))
+        if " step-gluon " in line and not (gluon_here and " K128 V128 L16 " in line):
+            assert "--" in line and "not built" in line and "(not claimed)" in line, line
+            continue
+        kernels = "|".join(SCHEDULES + (STEP, STEP_GLUON))
         m = re.search(rf" ({kernels}) +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B +smem +([\d.]+)/(\d+) KiB"
                       r" +(\S+) ", line)
         assert m, line
         regs, spill, smem, limit = int(m[2]), int(m[3]), float(m[4]), int(m[5])
         assert 0 < regs <= 255 and spill <= MAX_SPILL_BYTES and 0 < smem <= limit, line
         # the flush and the step (its int8 and bf16 products): the mma.sync lowering on every target, Hopper and
-        # Blackwell included (targets.mma_sync_only)
+        # Blackwell included (targets.mma_sync_only; the Gluon kernel's explicit mma_v2)
         assert m[6] == "mma.sync", line
+    assert sum(" step-gluon " in line and " ok " in line for line in rows) == (
+        len(SUPPORTED_CAPABILITIES) if gluon_here else 0), res.stdout
 
 
 @pytest.mark.parametrize("ptx,family", [
@@ -97,8 +105,10 @@ def test_unclaimed_target_reported_not_failed():
     res = _run("--quick", "--ops", "flush,step", "--arch", "75")
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("sm_75")]
-    flush = [line for line in rows if f" {STEP} " not in line]
-    step = [line for line in rows if f" {STEP} " in line]
+    flush = [line for line in rows if f" {STEP} " not in line and f" {STEP_GLUON} " not in line]
+    step = [line for line in rows if f" {STEP} " in line and f" {STEP_GLUON} " not in line]
+    gluon = [line for line in rows if f" {STEP_GLUON} " in line]  # sm_80 and later only: not built here
+    assert len(gluon) == 2 and all("not built" in line and "(not claimed)" in line for line in gluon), res.stdout
     assert flush and all("(not claimed)" in line for line in flush), res.stdout
     assert any(" FAIL " in line for line in flush), res.stdout
     assert len(step) == 2 and all(" ok " in line and "(not claimed)" not in line for line in step), res.stdout

@@ -43,6 +43,9 @@ pytestmark = pytest.mark.skipif(
     reason="Triton backend cannot run here (needs CUDA or TRITON_INTERPRET)")
 
 OUT_RTOL = 1e-5
+# the step kernels each test runs: the default (None: the one this device takes, the Gluon kernel for the shapes it
+# covers on a GPU), the sm_75 kernel, and on a GPU the tl tensor-core kernel too (on the CPU it is the default)
+KERNEL_PARAMS = [None, "fma"] + (["mma"] if DEVICE == "cuda" else [])
 # ulps allowed where the interpreter's exp (numpy) is not torch's; on a GPU both are libdevice's expf
 EXP_ULPS = {"kda": {"gbuf": 1}, "gdn": {"w": 4, "pcum": 4}} if DEVICE == "cpu" else {"kda": {}, "gdn": {}}
 _INT = {torch.float32: (torch.int32, 0x7FFFFFFF), torch.bfloat16: (torch.int16, 0x7FFF),
@@ -121,9 +124,9 @@ def _tokens(pool, N: int, H: int, dtype, layout: str, g: torch.Generator):
 
 
 def _run_step(pool, idx: list[int], H: int, dtype, use_qk_l2norm: bool, layout: str, g: torch.Generator,
-              out_dtype=None, scale: float = 0.3, fma: bool | None = None):
-    """Both twins of the module docstring from ``pool``: ``(before, A, B, tokens, idx, out_ref32, out)``; ``fma``:
-    B steps through the kernel without tensor cores (sm_75's) rather than the one this device takes."""
+              out_dtype=None, scale: float = 0.3, kernel: str | None = None):
+    """Both twins of the module docstring from ``pool``: ``(before, A, B, tokens, idx, out_ref32, out)``; ``kernel``:
+    the step kernel B steps through (:data:`leapquant_triton.step.KERNELS`; None: the one this device takes)."""
     idx_t = torch.tensor(idx, dtype=torch.int32, device=DEVICE)
     tok = _tokens(pool, len(idx), H, dtype, layout, g)
     before = parity.snapshot(pool)
@@ -133,7 +136,7 @@ def _run_step(pool, idx: list[int], H: int, dtype, use_qk_l2norm: bool, layout: 
     out_ref = torch.full((len(idx), pool.heads, pool.head_v), float("nan"), device=DEVICE)
     ReferenceBackend().step(A, idx_t, **tok, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out_ref)
     out = _view(torch.full_like(out_ref, float("nan"), dtype=out_dtype or dtype), layout)
-    step_pool(B, idx_t, **tok, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out, fma=fma)
+    step_pool(B, idx_t, **tok, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out, kernel=kernel)
     return before, A, B, tok, idx_t, out_ref, out
 
 
@@ -240,11 +243,11 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("fma", [None, True], ids=["tc", "fma"])
+@pytest.mark.parametrize("kernel", KERNEL_PARAMS)
 @pytest.mark.parametrize("gate,K,V,L,R,HV,H,convention,dtype,l2,layout", CASES,
                          ids=[f"{c[0]}-K{c[1]}V{c[2]}-L{c[3]}-R{c[4]}-HV{c[5]}H{c[6]}-{c[7]}-{str(c[8])[6:]}"
                               f"{'-l2' if c[9] else ''}" for c in CASES])
-def test_step_matches_reference(gate, K, V, L, R, HV, H, convention, dtype, l2, layout, fma):
+def test_step_matches_reference(gate, K, V, L, R, HV, H, convention, dtype, l2, layout, kernel):
     """Rings at every fill over slots 1..3 (one of them full: flushed inside, judged by SPEC §4); rows: padding, a
     slot out of range either way, slot 0 (real under SGLang), and slot 4 named by no row (untouched). Both kernels:
     the tensor-core one and sm_75's."""
@@ -255,7 +258,7 @@ def test_step_matches_reference(gate, K, V, L, R, HV, H, convention, dtype, l2, 
         _fill_program(pool, 0, h, g)
         pool.hcnt[0, h] = L // 2 - 1
         _poison_tail(pool, 0, h, L // 2 - 1, nan=True, g=g)
-    before, A, B, tok, idx_t, out_ref, out = _run_step(pool, idx, H, dtype, l2, layout, g, fma=fma)
+    before, A, B, tok, idx_t, out_ref, out = _run_step(pool, idx, H, dtype, l2, layout, g, kernel=kernel)
     n = _check(before, A, B, tok, idx_t, out_ref, out, l2)
     assert n == HV * (4 if convention == "sglang" else 3)
     p = _measure_flush(pool, idx_t)
@@ -263,13 +266,14 @@ def test_step_matches_reference(gate, K, V, L, R, HV, H, convention, dtype, l2, 
 
 
 @given(seed=st.integers(0, 2 ** 31 - 1), gate=st.sampled_from(["kda", "gdn"]),
-       shape=st.sampled_from([(64, 64, 8, 1, 1, 1), (64, 64, 16, 3, 2, 1), (64, 64, 16, 2, 2, 2)]),
+       shape=st.sampled_from([(64, 64, 8, 1, 1, 1), (64, 64, 16, 3, 2, 1), (64, 64, 16, 2, 2, 2)]
+                             + ([(128, 128, 16, 4, 2, 2), (128, 128, 16, 1, 2, 1)] if DEVICE == "cuda" else [])),
        convention=st.sampled_from(["vllm", "sglang"]),
        dtypes=st.sampled_from([(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                (torch.float16, torch.float32)]),
        l2=st.booleans(), layout=st.sampled_from(["padded", "heads_first", "contiguous"]),
-       fma=st.sampled_from([None, True]))
-def test_step_random_fills(seed, gate, shape, convention, dtypes, l2, layout, fma):
+       kernel=st.sampled_from(KERNEL_PARAMS))
+def test_step_random_fills(seed, gate, shape, convention, dtypes, l2, layout, kernel):
     """Random fill counts and token values at 64 x 64; out in another dtype than the tokens once; either kernel."""
     K, V, L, R, HV, H = shape
     g = torch.Generator().manual_seed(seed)
@@ -278,7 +282,7 @@ def test_step_random_fills(seed, gate, shape, convention, dtypes, l2, layout, fm
     pad = 0 if convention == "vllm" else -1
     idx = [3, pad, 1, 2]
     before, A, B, tok, idx_t, out_ref, out = _run_step(pool, idx, H, dtypes[0], l2, layout, g, out_dtype=dtypes[1],
-                                                       scale=float(K) ** -0.5, fma=fma)
+                                                       scale=float(K) ** -0.5, kernel=kernel)
     _check(before, A, B, tok, idx_t, out_ref, out, l2, scale=float(K) ** -0.5)
 
 
