@@ -41,9 +41,10 @@ decode layer <= 1.15x step fill 8, <= 0.3x fla fp32, <= 0.5x fla bf16.
 
 Batch sweep: the decode layer (engine layout, 1/16 of the rings full) against ``fla fp32`` and ``fla bf16`` at
 batches 1, 2, ..., 512 (``--sweep``), 32 heads, each point on its own pool of 2 B + 1 slots; KDA first, then GDN.
-Cases there have ``--sweep-budget`` seconds of replays (0.3 s; on an H200 the cap of 200 replays binds first, as it
-does for the 2 s of the main cases). No sweep point starts after ``--time-limit`` seconds (240 s): the rest are
-listed as skipped with the reason, so the run stays near 4 minutes whatever the machine.
+Cases there have ``--sweep-budget`` seconds of replays (0.3 s: a replay with its restore and L2 eviction takes well
+under 1.5 ms on an H200, so there the cap of 200 replays binds first, as for the main cases' 2 s). No sweep point
+starts after ``--time-limit`` seconds (240 s): the rest are listed as skipped with the reason, so the run stays near
+4 minutes whatever the machine.
 
 ``--baseline DIR``: DIR holds another version's ``leapquant``, ``leapquant_triton`` and ``leapquant_tilelang``
 packages (as for ``python -m bench --baseline``); LeapQuant's cases (not the sweep) are then timed again with those
