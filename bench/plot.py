@@ -1,5 +1,6 @@
-"""The PNG: flush time vs batch (log-log) at the main head count, one line per backend and due fraction, the floor
-of each due fraction drawn dashed, and the fp32 decode step at its batch for scale."""
+"""The PNGs: flush time vs batch (log-log) at the main head count, one line per backend and due fraction, the floor
+of each due fraction drawn dashed, and the fp32 decode step at its batch for scale (:func:`plot`); the decode layer
+and FLA's in-place steps vs batch, one panel per gate (:func:`decode_sweep`)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,49 @@ def plot(doc: dict, path) -> None:
                  fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+# the decode sweep's lines: (case, colour, marker)
+DECODE_LINES = (("decode layer", "tab:blue", "o"), ("fla fp32", "tab:red", "s"), ("fla bf16", "tab:orange", "^"))
+
+
+def decode_sweep(doc: dict, path) -> None:
+    """``bench.decode``'s sweep: time vs batch (log-log) per gate, the decode layer, FLA's fp32 and bf16 in-place
+    steps, and the layer's floor dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sw = doc["sweep"]
+    gates = list(sw["gates"])
+    fig, axes = plt.subplots(1, len(gates), figsize=(6.5 * len(gates), 5.5), sharey=True, squeeze=False)
+    for ax, gate in zip(axes[0], gates):
+        rows = [r for r in sw["gates"][gate] if r.get("status") == "ok"]
+        for case, colour, marker in DECODE_LINES:
+            pts = sorted((r["batch"], r["median_us"]) for r in rows if r["case"] == case)
+            if pts:
+                ax.plot(*zip(*pts), color=colour, marker=marker, markersize=5, label=case)
+        floor = sorted((r["batch"], r["floor_us"]) for r in rows if r["case"] == "decode layer")
+        if floor:
+            ax.plot(*zip(*floor), color="tab:blue", linestyle=(0, (2, 2)), linewidth=1, alpha=0.7,
+                    label="decode layer's floor")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sw["batches"])
+        ax.set_xticklabels([str(b) for b in sw["batches"]])
+        ax.minorticks_off()
+        ax.set_yscale("log")
+        ax.set_xlabel("batch (sequences)")
+        ax.set_title(f"{gate.upper()}, {sw['heads']} heads, {sw['layout']} layout", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("time per decode step of a layer (us)")
+    bw = doc["bandwidth"]
+    fig.suptitle(f"LeapQuant decode layer vs FLA's in-place step — {doc['device'].get('name')}, copy "
+                 f"{bw['GBps']:.0f} GB/s", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
