@@ -338,3 +338,33 @@ def test_cuda_graph_capture():
     assert torch.equal(o, o_eager)
     after, want = parity.snapshot(pool), parity.snapshot(eager)
     assert all(torch.equal(after[n], want[n]) for n in want)
+
+
+def test_kernel_choice():
+    """The default step kernel per shape, capability and Triton release (step.kernel_for): the Gluon kernel only for
+    128 x 128, ring 16, rank <= 4 on sm_80+ under its releases; sm_75 its FMA kernel; the interpreter the tl kernel.
+    Asking for the Gluon kernel where it does not apply is a clear error."""
+    from leapquant.geometry import Geometry
+    from leapquant_triton import step as st
+    from leapquant_triton.targets import GLUON_RELEASES, interpreting, triton_release
+
+    fast = Geometry(2, 4, 128, 128, 16, 4, "kda")
+    # the interpreter runs no Gluon: there the tl kernel's twin serves every shape
+    here = triton_release(triton.__version__) in GLUON_RELEASES and not interpreting()
+    assert st.kernel_for(fast, 90) == ("gluon" if here else "mma")
+    assert st.kernel_for(fast, 120) == ("gluon" if here else "mma")
+    assert st.kernel_for(fast, 75) == "fma"
+    assert st.kernel_for(fast, None) == "mma"
+    for other in (Geometry(2, 4, 64, 64, 16, 4, "kda"), Geometry(2, 4, 128, 128, 32, 4, "gdn"),
+                  Geometry(2, 4, 128, 64, 16, 2, "kda")):
+        assert st.kernel_for(other, 90) == "mma", other
+    with pytest.raises(ValueError, match="K = V = 128, ring 16"):
+        st.step_build(Geometry(2, 4, 64, 64, 16, 4, "kda"), 1, False, 90, "gluon")
+    if here or triton_release(triton.__version__) in GLUON_RELEASES:  # the kernel exists: its build's arguments
+        fn, consts, options = st.step_build(fast, 1, True, 90, "gluon")
+        assert consts["NW"] == options["num_warps"] == 2 and consts["USE_QK_L2NORM"] is True
+    else:
+        with pytest.raises(ValueError, match="Triton 3.6"):
+            st.step_build(fast, 1, False, 90, "gluon")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        st.step_build(fast, 1, False, 90, "wgmma")
