@@ -177,11 +177,10 @@ class Bank:
         self.first = False
         return o
 
-    def verify(self) -> None:
+    def problems(self) -> list[str]:
         """Rank 0 must stay free of compensators (a zero start matrix gives Q = 0 in the subspace iteration)."""
-        for f, pool in self.pools:
-            if f.rank == 0 and bool(pool.uq.any()):
-                raise RuntimeError(f"{f.name}: a compensator was written from a zero start matrix")
+        return [f"{f.name}: a compensator was written from a zero start matrix" for f, pool in self.pools
+                if f.rank == 0 and bool(pool.uq.any())]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -227,8 +226,7 @@ def evaluate(model: lm.ByteLM, tokens: torch.Tensor, prompt: int, formats: Seque
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
-    for bank in banks:
-        bank.verify()
+    problems = sorted({p for bank in banks for p in bank.problems()})
     last = min(LAST, D)
     ppl = torch.exp(nll.mean((1, 2)))
     K, V, HV = c.head_k, c.head_v, c.heads
@@ -252,7 +250,7 @@ def evaluate(model: lm.ByteLM, tokens: torch.Tensor, prompt: int, formats: Seque
                          else [float(curve.mean())]),
         })
     return {"seqs": B, "prompt": prompt, "decode": D, "curve_window": CURVE_WINDOW, "decode_seconds": seconds,
-            "backend": backend, "whole_sequence_ppl": float(torch.exp(whole_nll)), "formats": rows,
+            "backend": backend, "whole_sequence_ppl": float(torch.exp(whole_nll)), "problems": problems, "formats": rows,
             "per_token": {"kl": kl.cpu(), "nll": nll.cpu(), "top1": top1.cpu()}}
 
 
@@ -299,7 +297,9 @@ def preflight(gates: Sequence[str], setup: Setup, corpus: lm.Corpus, formats: Se
         plan = lm.TrainPlan(**{**setup.plan.__dict__, "batch": 2, "warmup": 1})
         lm.train(model, corpus, plan, recurrence, device, steps=2, log=lambda s: None)
         tokens = lm.windows(corpus.held_out, setup.seqs, 64 + 40 + 1).to(device)
-        evaluate(model, tokens, 64, formats, recurrence=recurrence, backend=backend)
+        problems = evaluate(model, tokens, 64, formats, recurrence=recurrence, backend=backend)["problems"]
+        if problems:
+            raise RuntimeError(f"preflight {gate}: " + "; ".join(problems))
         log(f"preflight {gate}: ok")
 
 
@@ -375,6 +375,8 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {r['format']} | {r['bytes_per_sequence']:,} | {r['bytes_vs_bf16']:.3f} | "
                          f"{r['mean_kl']:.3e} | {r['kl_last_1024']:.3e} | {r['kl_first_1024']:.3e} | "
                          f"{100 * r['top1']:.2f} % | {r['ppl_ratio']:.5f} |")
+        if e["problems"]:
+            lines += ["", "Problems: " + "; ".join(e["problems"]) + "."]
         tg = target(e["formats"])
         if tg:
             lines += ["", f"Target (rank 4 at most bf16's bytes and half its KL): KL {tg['kl_vs_bf16']:.2f}x bf16's, "

@@ -68,7 +68,7 @@ def test_kl_zero_for_the_exact_state_positive_for_others(gate):
     rows = {r["format"]: r for r in ev["formats"]}
     names = [r["format"] for r in ev["formats"]]
     kl, nll, top1 = (ev["per_token"][n] for n in ("kl", "nll", "top1"))
-    assert kl.shape == (len(fs), 2, DECODE)
+    assert kl.shape == (len(fs), 2, DECODE) and ev["problems"] == []
     ref, copy = names.index("fp32"), names.index("copy")
     # the reference against itself, and an exact copy in other batch rows: zero, bit for bit
     assert torch.equal(kl[ref], torch.zeros_like(kl[ref]))
