@@ -2,8 +2,8 @@
 quality benchmark (bench/quality.py) decodes.
 
 Plain torch around the recurrence. The recurrence runs through FLA's chunked kernels on a GPU (``chunk_kda``,
-``chunk_gated_delta_rule``: training and prefill) or written out token by token on a CPU
-(:func:`leapquant.tools.exact.recurrent_step`); :meth:`ByteLM.step` decodes one token per row and leaves the
+``chunk_gated_delta_rule``: training and prefill; :func:`fla_recurrence` says why GDN trains through ``chunk_kda``)
+or written out token by token on a CPU (:func:`leapquant.tools.exact.recurrent_step`); :meth:`ByteLM.step` decodes one token per row and leaves the
 recurrent state to its caller, which keeps it in the format under test.
 
 One layer, pre-norm, ``h = rms(x)``::
@@ -146,7 +146,13 @@ def naive_recurrence(q, k, v, g, beta, gate: str, state: torch.Tensor | None = N
 
 
 def fla_recurrence(q, k, v, g, beta, gate: str, state: torch.Tensor | None = None):
-    """FLA's chunked kernel (a GPU); same contract as :func:`naive_recurrence`, the state fp32."""
+    """FLA's chunked kernel (a GPU); same contract as :func:`naive_recurrence`, the state fp32.
+
+    GDN under autograd runs as KDA with the head's decay on every key channel, the same recurrence: FLA 0.6 refuses
+    ``chunk_gated_delta_rule``'s backward under Triton 3.4-3.7.0 on Hopper (a kernel those releases miscompile, its
+    issue 640), and the device's Triton is 3.6. Without autograd (prefill, evaluation) GDN takes its own kernel."""
+    if gate == "gdn" and torch.is_grad_enabled():
+        gate, g = "kda", g.unsqueeze(-1).expand(*g.shape, k.shape[-1]).contiguous()
     if gate == "kda":
         from fla.ops.kda import chunk_kda as chunk
     else:
@@ -417,7 +423,7 @@ def train(model: ByteLM, corpus: Corpus, plan: TrainPlan, recurrence: Callable, 
         losses.append(loss.detach())
         step += 1
         if step % 200 == 0 or step == total:
-            log(f"  step {step}/{total}: loss {float(loss):.4f} ({time.perf_counter() - t0:.0f} s)")
+            log(f"  step {step}/{total}: loss {loss.item():.4f} ({time.perf_counter() - t0:.0f} s)")
     if device.type == "cuda":
         torch.cuda.synchronize()
     last = torch.stack(losses[-50:]).float().mean()

@@ -50,6 +50,20 @@ def test_decode_matches_the_whole_sequence(gate):
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
 
 
+def test_gdn_is_kda_with_one_decay_per_head():
+    """What GDN's training on a GPU rests on (bench.lm.fla_recurrence): KDA with the head's decay on every key
+    channel is the GDN recurrence."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K = 2, 6, 2, 64
+    q, k = (torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(B, T, H, K, generator=gen)
+    g = -torch.rand(B, T, H, generator=gen)
+    beta = torch.rand(B, T, H, generator=gen)
+    o_gdn, S_gdn = lm.naive_recurrence(q, k, v, g, beta, "gdn")
+    o_kda, S_kda = lm.naive_recurrence(q, k, v, g.unsqueeze(-1).expand(B, T, H, K), beta, "kda")
+    assert torch.allclose(o_gdn, o_kda, rtol=1e-6, atol=1e-6) and torch.allclose(S_gdn, S_kda, rtol=1e-6, atol=1e-6)
+
+
 def _copy(S):
     return S.clone()
 
