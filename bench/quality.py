@@ -27,6 +27,11 @@ convolution tails, the same for every format, left out). ``--formats`` and ``--k
 knobs are LeapQuant variants (rank, ring, iterations) that show which one moves the KL most.
 
 Writes ``quality_<device>.json``, ``.md`` and ``.png`` (KL against position) to ``--out``, after each model.
+
+On a GPU the run first goes through every code path on untrained models (the preflight: two training steps, 40
+decoded tokens, every format), which also compiles the kernels: FLA's autotuning is cut to two configurations a
+kernel (:func:`bench.lm.limit_fla_autotune`), and the preflight took 57 s for KDA on the H200. ``--budget S`` then
+fits both trainings into S seconds with 50 s held back for each evaluation. FLA (fla-core 0.6) must be importable.
 """
 
 from __future__ import annotations

@@ -2,7 +2,13 @@
 backend: the decode path computes the model's own function, an exact copy of the state scores KL 0, a perturbed
 state and LeapQuant's state score KL > 0, and the formats count their bytes as leapquant.memory does."""
 
+import importlib.util
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,3 +149,27 @@ def test_corpus_split():
     # documents joined by one 0 byte each: Python refuses source files that hold one
     assert int((corpus.held_out == 0).sum()) == 2 and int((corpus.train == 0).sum()) == 26
     assert lm.unigram_loss(corpus) > 0
+
+
+@pytest.mark.slow  # python -m pytest -m slow (CI runs it)
+def test_tiny_run_end_to_end(tmp_path):
+    """``python -m bench.quality --tiny``: corpus, training, preflight, evaluation, JSON, markdown and plot."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "bench.quality", "--tiny", "--steps", "3", "--out", str(tmp_path)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "quality_cpu_tiny.json").read_text())
+    assert [m["gate"] for m in doc["models"]] == ["kda", "gdn"]
+    names = list(dict.fromkeys(quality.FORMATS + quality.KNOBS))
+    for m in doc["models"]:
+        e = m["evaluation"]
+        assert m["train"]["steps"] == 3 and e["problems"] == [] and e["decode"] == quality.TINY.decode
+        rows = {r["format"]: r for r in e["formats"]}
+        assert sorted(rows) == sorted(names)
+        assert rows["fp32"]["mean_kl"] == 0.0
+        assert all(r["mean_kl"] > 0 for n, r in rows.items() if n != "fp32")
+    md = (tmp_path / "quality_cpu_tiny.md").read_text()
+    assert "| leapquant-r4 |" in md and "Target (rank 4" in md
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "quality_cpu_tiny.png").stat().st_size > 1000
