@@ -255,7 +255,7 @@ def test_step_packed_tracks_flas_recurrence(gate, lower_bound, H):
     B, HV, K, V, T = 2, 4, 64, 64, 20
     pool = leapquant.Pool(B + 1, HV, K, V, 16, 4, gate=gate)
     idx = torch.arange(1, B + 1, dtype=torch.int32)
-    steps = [_raw(gate, B, H, HV, K, V, seed=100 + t) for t in range(T)]
+    steps = [tuple(x.cpu() for x in _raw(gate, B, H, HV, K, V, seed=100 + t)) for t in range(T)]
     A_log, dt_bias = steps[0][3], steps[0][4]
     outs, qs, ks, vs, gs, betas = [], [], [], [], [], []
     for mixed, a, b, _, _ in steps:
