@@ -4,6 +4,7 @@
     pool = leapquant.Pool(num_slots=257, heads=32, gate="kda", device="cuda")   # slot 0: the null slot
     pool.load_states(slots, state, state_v_first=False)   # a prefill's fp32 state [N, HV, K, V] into its slots
     o = leapquant.step(pool, idx, q, k, v, g, beta)       # one decode token: full rings flushed, the output returned
+    o = leapquant.step_packed(pool, idx, mixed_qkv, a, b, A_log=A_log, dt_bias=dt_bias)  # vLLM's packed decode call
     leapquant.flush(pool, idx)                            # the flush alone (in place; idx int32 [N])
     state = pool.states(slots, state_v_first=False)       # the states back, for a prefill that continues them
 
@@ -19,6 +20,7 @@ from .constants import EPS, QMAX
 from .ops import flush, run, select, step
 from .geometry import Geometry
 from .pool import Pool, start_matrix
+from .packed import PackedWorkspace, packed_workspace, step_packed
 
 __version__ = "0.1.0"
 
@@ -28,6 +30,7 @@ __all__ = [
     "BackendInfo",
     "EPS",
     "Geometry",
+    "PackedWorkspace",
     "Pool",
     "QMAX",
     "Requirements",
@@ -35,10 +38,12 @@ __all__ = [
     "flush",
     "formulas",
     "get_backend",
+    "packed_workspace",
     "reference",
     "register",
     "run",
     "select",
     "start_matrix",
     "step",
+    "step_packed",
 ]

@@ -83,6 +83,14 @@ class TritonBackend(Backend):
 
         step_pool(pool, idx, q, k, v, g, beta, scale, use_qk_l2norm, out)
 
+    def packed_gates(self, pool: "Pool", a, b, A_log, dt_bias, lower_bound: float | None, g: torch.Tensor,
+                     beta: torch.Tensor) -> None:
+        """``leapquant.step_packed``'s gates into ``g`` and ``beta`` (:mod:`.gates`: a kernel launched before the
+        step)."""
+        from .gates import gates_pool
+
+        gates_pool(pool, a, b, A_log, dt_bias, lower_bound, g, beta)
+
     def load_states(self, pool: "Pool", slots: torch.Tensor, states: torch.Tensor, state_v_first: bool) -> None:
         from .states import load_states_pool
 

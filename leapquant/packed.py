@@ -1,0 +1,295 @@
+"""The engines' packed decode call: :func:`step_packed` takes vLLM's packed projection ``mixed_qkv`` and the raw gate
+inputs (``a``, ``b``, ``A_log``, ``dt_bias``), derives the log decay and beta with FLA's formulas, and runs
+:func:`leapquant.step` on views of ``mixed_qkv`` (docs/SPEC.md §6.1).
+
+The formulas, in torch (the definition; the reference path and the tests' oracle), each FLA's naive function:
+
+* GDN (``fla.ops.gated_delta_rule.gate.naive_gdn_gate``): ``g = -exp(A_log) * softplus(a + dt_bias)``, one log
+  decay per value head;
+* KDA (``fla.ops.kda.gate.naive_kda_gate``): the same per key channel, ``dt_bias`` ``[HV * K]``; with a
+  ``lower_bound`` (``naive_kda_lowerbound_gate``, vLLM's ``lower_bound``): ``g = lower_bound * sigmoid(exp(A_log) *
+  (a + dt_bias))``;
+* ``beta = sigmoid(b)``; ``softplus`` is ``torch.nn.functional.softplus`` with its defaults (beta 1, threshold 20:
+  ``x`` above 20, else ``log1p(exp(x))``); all in fp32 from inputs of any float dtype.
+
+A backend may compute the gates itself (``Backend.packed_gates``: the Triton backend's kernel,
+:mod:`leapquant_triton.gates`); otherwise, and under ``torch.compile``, they are these torch functions.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .checks import STEP_DTYPES, check_apart, check_finite, check_idx_layout, check_in_storage, spans, token_rows
+from .ops import BackendName, check_pool_type, step
+from .pool import Pool
+from .registry import launch, resolve
+
+# torch.nn.functional.softplus's default threshold (with beta 1): above it softplus(x) is x
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def softplus(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 + exp(x))`` as FLA's naive gates take it: ``F.softplus`` with beta 1 and threshold 20."""
+    return F.softplus(x)
+
+
+def gdn_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """GDN's log decay, fp32 ``[..., HV]``: ``-exp(A_log) * softplus(a + dt_bias)`` (FLA's ``naive_gdn_gate``; vLLM's
+    ``fused_gdn_gating``). ``a`` ``[..., HV]``, ``A_log`` and ``dt_bias`` ``[HV]``, any float dtypes."""
+    return -A_log.float().exp() * softplus(a.float() + dt_bias.float())
+
+
+def kda_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+             lower_bound: Optional[float] = None) -> torch.Tensor:
+    """KDA's log decay per key channel, fp32 ``[..., HV, K]``: ``-exp(A_log) * softplus(a + dt_bias)`` (FLA's
+    ``naive_kda_gate``) or, with ``lower_bound``, ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))`` (FLA's
+    ``naive_kda_lowerbound_gate``). ``a`` ``[..., HV, K]``, ``A_log`` ``[HV]``, ``dt_bias`` ``[HV * K]``."""
+    HV, K = a.shape[-2:]
+    x = a.float() + dt_bias.float().view(HV, K)
+    A = A_log.float().view(HV, 1).exp()
+    if lower_bound is None:
+        return -A * softplus(x)
+    return lower_bound * torch.sigmoid(A * x)
+
+
+def beta_gate(b: torch.Tensor) -> torch.Tensor:
+    """The write strength from its logit, fp32: ``sigmoid(b)`` (FLA's ``use_beta_sigmoid_in_kernel``)."""
+    return torch.sigmoid(b.float())
+
+
+def packed_gates(gate: str, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                 lower_bound: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(g, beta)`` in fp32 for a pool of ``gate`` (``"kda"``: ``a`` ``[B, HV, K]``; ``"gdn"``: ``[B, HV]``), the
+    formulas of this module."""
+    g = kda_gate(a, A_log, dt_bias, lower_bound) if gate == "kda" else gdn_gate(a, A_log, dt_bias)
+    return g, beta_gate(b)
+
+
+class PackedWorkspace(NamedTuple):
+    """Where :func:`step_packed` writes the gates before the step reads them: ``g`` fp32 ``[B, HV, K]`` (KDA) or
+    ``[B, HV]`` (GDN), ``beta`` ``[B, HV]`` in fp32, bf16 or fp16 (bf16: beta rounded as vLLM's packed GDN decode
+    rounds it to ``b``'s dtype), both contiguous."""
+
+    g: torch.Tensor
+    beta: torch.Tensor
+
+
+def packed_workspace(pool: Pool, rows: int, beta_dtype: torch.dtype = torch.float32) -> PackedWorkspace:
+    """A :class:`PackedWorkspace` for ``rows`` batch rows on the pool's device (``torch.empty``: allocate it once,
+    outside a CUDA graph, and pass it as ``workspace=`` on every call)."""
+    check_pool_type(pool)
+    shape = (rows, pool.heads, pool.head_k) if pool.gate == "kda" else (rows, pool.heads)
+    return PackedWorkspace(torch.empty(shape, dtype=torch.float32, device=pool.device),
+                           torch.empty(rows, pool.heads, dtype=beta_dtype, device=pool.device))
+
+
+def packed_heads(pool: Pool, width: int) -> int:
+    """The key heads ``H`` of a packed row ``width`` wide: ``width = 2 H K + HV V`` with ``H`` dividing ``HV``, else a
+    ValueError listing the widths this pool takes."""
+    HV, K, V = pool.heads, pool.head_k, pool.head_v
+    qk = width - HV * V
+    H = qk // (2 * K) if qk > 0 and qk % (2 * K) == 0 else 0
+    if H < 1 or HV % H:
+        ok = ", ".join(f"{2 * h * K + HV * V} (H = {h})" for h in range(1, HV + 1) if HV % h == 0)
+        raise ValueError(f"mixed_qkv must be [B, 2 * H * K + HV * V] (q | k | v, as vLLM packs them) with K = {K}, "
+                         f"V = {V}, HV = {HV} and H dividing HV: a width of {ok}; got {width}")
+    return H
+
+
+def split_qkv(mixed_qkv: torch.Tensor, H: int, K: int, HV: int, V: int) -> tuple[torch.Tensor, ...]:
+    """Views ``q, k`` ``[B, H, K]`` and ``v`` ``[B, HV, V]`` of ``mixed_qkv`` ``[B, 2 H K + HV V]`` (unit last stride,
+    any row stride): vLLM's order, ``q`` at channel 0, ``k`` at ``H K``, ``v`` at ``2 H K``. No copy."""
+    q = mixed_qkv[:, : H * K].unflatten(1, (H, K))
+    k = mixed_qkv[:, H * K: 2 * H * K].unflatten(1, (H, K))
+    v = mixed_qkv[:, 2 * H * K:].unflatten(1, (HV, V))
+    return q, k, v
+
+
+def _expect_float(t, name: str, pool: Pool) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in STEP_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {t.dtype}")
+    if t.device != pool.device:
+        raise ValueError(f"{name} must be on the pool's device {pool.device}, got {t.device}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a unit stride in its last dimension, got strides {t.stride()}")
+
+
+def _check_param(t, name: str, pool: Pool, shapes: tuple, what: str) -> torch.Tensor:
+    """A layer parameter (``A_log``, ``dt_bias``): a contiguous float tensor of one of ``shapes`` on the pool's
+    device, returned flat."""
+    _expect_float(t, name, pool)
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{name} must be {' or '.join(str(list(s)) for s in shapes)} ({what}) for this pool "
+                         f"({pool.gate}, HV = {pool.heads}, K = {pool.head_k}), got {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    return t.reshape(-1)
+
+
+def check_lower_bound(pool: Pool, lower_bound) -> Optional[float]:
+    """``lower_bound``: None, or for a KDA pool a finite real ``<= 0`` on the host (the gate then lies in
+    ``[lower_bound, 0]``), returned as a float."""
+    if lower_bound is None:
+        return None
+    if pool.gate != "kda":
+        raise ValueError("lower_bound is KDA's bounded gate (FLA's fused_kda_gate); a GDN pool takes none, got "
+                         f"{lower_bound!r}")
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, numbers.Real):
+        raise TypeError(f"lower_bound must be a real number (a host float) or None, got {type(lower_bound).__name__}")
+    lb = float(lower_bound)
+    if not math.isfinite(lb) or lb > 0:
+        raise ValueError(f"lower_bound must be finite and <= 0 (the gate lower_bound * sigmoid(...) is a log decay), "
+                         f"got {lb}")
+    return lb
+
+
+def check_packed_inputs(pool: Pool, B: int, mixed_qkv, a, b, A_log, dt_bias) -> tuple:
+    """Metadata of :func:`step_packed`'s inputs (no synchronisation). Returns ``(mixed_qkv [B, D], a, b, A_log,
+    dt_bias)``: the token tensors in their ``[B, ...]`` forms (KDA's ``a`` as ``[B, HV, K]``), the parameters flat."""
+    HV, K = pool.heads, pool.head_k
+    mixed_qkv = token_rows(mixed_qkv, "mixed_qkv", 2, B, "; mixed_qkv is the packed projection [B, 2 * H * K + HV * V]")
+    _expect_float(mixed_qkv, "mixed_qkv", pool)
+    packed_heads(pool, mixed_qkv.shape[1])
+    kda = pool.gate == "kda"
+    if kda and isinstance(a, torch.Tensor) and a.dim() in (2, 3) and a.shape[-1] == HV * K and (HV > 1 or a.dim() == 2):
+        a = a.unflatten(-1, (HV, K))  # the projection's flat [B, HV * K] row
+    form = ("; a is KDA's gate input here, [B, HV, K] or [B, HV * K]" if kda
+            else "; a is GDN's gate input here, [B, HV]")
+    a = token_rows(a, "a", 3 if kda else 2, B, form)
+    b = token_rows(b, "b", 2, B, "; b is beta's logit, [B, HV]")
+    for name, t, shape in (("a", a, (B, HV, K) if kda else (B, HV)), ("b", b, (B, HV))):
+        _expect_float(t, name, pool)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)} for this pool ({pool.gate}), got {list(t.shape)}"
+                             f"{form if name == 'a' else ''}")
+    A_log = _check_param(A_log, "A_log", pool, ((HV,),), "one per value head")
+    dt_bias = _check_param(dt_bias, "dt_bias", pool, ((HV * K,), (HV, K)) if kda else ((HV,),),
+                           "one per key channel of each value head" if kda else "one per value head")
+    return mixed_qkv, a, b, A_log, dt_bias
+
+
+def _check_workspace(pool: Pool, workspace, B: int, inputs: Optional[tuple]) -> PackedWorkspace:
+    """``workspace``: a :class:`PackedWorkspace` (or a ``(g, beta)`` pair) of the right shapes, dtypes and device,
+    contiguous and, unless ``inputs`` is None (under ``torch.compile``: no addresses), sharing no byte with the pool,
+    ``inputs`` (:func:`spans`) or itself: it is written. Metadata only."""
+    if not isinstance(workspace, tuple) or len(workspace) != 2:
+        raise TypeError(f"workspace must be a leapquant.PackedWorkspace (g, beta), got {type(workspace).__name__}")
+    g, beta = workspace
+    g_shape = (B, pool.heads, pool.head_k) if pool.gate == "kda" else (B, pool.heads)
+    for name, t, dtypes, shape in (("workspace.g", g, (torch.float32,), g_shape),
+                                   ("workspace.beta", beta, STEP_DTYPES, (B, pool.heads))):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must be {' or '.join(str(d) for d in dtypes)}, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} must have shape {list(shape)} for this pool ({pool.gate}), got {list(t.shape)}")
+        if t.device != pool.device:
+            raise ValueError(f"{name} must be on the pool's device {pool.device}, got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    if inputs is None:
+        return PackedWorkspace(g, beta)
+    why = "step_packed writes the workspace while it reads the pool and its inputs"
+    check_apart(g, "workspace.g", pool.tensor_spans() + inputs + spans({"workspace.beta": beta}), why)
+    check_apart(beta, "workspace.beta", pool.tensor_spans() + inputs, why)
+    return PackedWorkspace(g, beta)
+
+
+def _check_packed_values(pool: Pool, idx: torch.Tensor, a, b, A_log, dt_bias) -> None:
+    """``check=True``: the gate inputs finite (a synchronisation each), ``a`` and ``b`` on the rows that name a real
+    slot only (padding rows are not read)."""
+    real = (idx.long() >= pool.first_slot) & (idx.long() < pool.num_slots)
+    for name, t in (("a", a), ("b", b)):
+        check_finite(torch.where(real.view((-1,) + (1,) * (t.dim() - 1)), t.detach(), 0), name, bound=None)
+    check_finite(A_log, "A_log", bound=None)
+    check_finite(dt_bias, "dt_bias", bound=None)
+
+
+def _torch_gates(pool: Pool, a, b, A_log, dt_bias, lower_bound, g_out, beta_out) -> None:
+    """The gates in torch, written into ``g_out``, ``beta_out`` (a backend's ``packed_gates`` signature)."""
+    g, beta = packed_gates(pool.gate, a, b, A_log, dt_bias, lower_bound)
+    g_out.copy_(g)
+    beta_out.copy_(beta)
+
+
+def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+                A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: Optional[float] = None,
+                scale: Optional[float] = None, use_qk_l2norm: bool = False, out: Optional[torch.Tensor] = None,
+                workspace: Optional[PackedWorkspace] = None, backend: BackendName = "auto",
+                check: bool = True) -> torch.Tensor:
+    """One decode token per batch row from the engine's packed projection and raw gate inputs, in place on the pool;
+    returns the attention output (docs/SPEC.md §6.1). vLLM's ``fused_recurrent_gated_delta_rule_packed_decode`` and
+    ``fused_recurrent_kda_packed_decode`` over a LeapQuant pool.
+
+    The gates are computed first, into ``workspace`` (GDN ``g = -exp(A_log) * softplus(a + dt_bias)`` per value head;
+    KDA the same per key channel, or ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``; ``beta = sigmoid(b)``;
+    FLA's formulas, this module's functions): by the Triton backend in a small kernel of its own, one program per
+    (row, value head), launched right before the step; by the reference in torch. Then :func:`leapquant.step` runs on
+    views of ``mixed_qkv`` (no copy) with ``use_qk_l2norm`` normalising q and k inside the step kernel. Fusing the gates
+    into the step kernel's prologue, which would save the launch and the workspace's round trip, is the next step.
+
+    Args:
+        pool, idx: as for :func:`leapquant.step` (``idx`` int32 ``[B]``; vLLM's ``ssm_state_indices``: rows naming
+            no real slot get ``o = 0``).
+        mixed_qkv: ``[B, 2 * H * K + HV * V]``, q | k | v as vLLM packs them (``H`` dividing the pool's ``HV``, read
+            from the width), unit last stride, any row stride; also ``[B, 1, D]`` / ``[1, B, D]``.
+        a: the decay's raw input: GDN ``[B, HV]``; KDA ``[B, HV, K]`` or the flat ``[B, HV * K]``.
+        b: beta's logit ``[B, HV]``. Token tensors in float32, bfloat16 or float16, unit last stride.
+        A_log: ``[HV]``. dt_bias: GDN ``[HV]``, KDA ``[HV * K]`` (or ``[HV, K]``). Contiguous, any float dtype.
+        lower_bound: KDA only: the bounded gate above (vLLM's and FLA's ``lower_bound``, e.g. -5.0); None: softplus.
+        scale, use_qk_l2norm, out, backend, check: as for :func:`leapquant.step` (``use_qk_l2norm=True`` is vLLM's
+            ``use_qk_l2norm_in_kernel=True``; its KDA call always normalises).
+        workspace: where the gates go (:func:`packed_workspace`); default new buffers (``torch.empty``). Pass one to
+            keep a CUDA graph free of allocations; its ``beta`` dtype is what beta is stored as.
+
+    With ``check=False`` nothing synchronises with the host and the Triton path allocates nothing but a default
+    workspace: graph-capturable. Under ``torch.compile`` the gates are the torch formulas.
+
+    Returns:
+        ``o`` ``[B, HV, V]`` in ``mixed_qkv``'s dtype (``out``'s view when given).
+
+    Raises:
+        TypeError, ValueError: a tensor of the wrong type, dtype, shape (``mixed_qkv``'s width names the widths this
+            pool takes), device or stride, a bad ``lower_bound`` or workspace; everything :func:`leapquant.step`
+            raises; with ``check=True`` also non-finite gate inputs. No pool byte is written before every check
+            passed; the workspace is scratch and may hold the gates when the step's own checks raise.
+        leapquant.BackendError: an unknown backend, or one that cannot decode this pool here.
+    """
+    check_pool_type(pool)
+    check_idx_layout(pool, idx)
+    B = idx.numel()
+    mixed_qkv, a, b, A_log, dt_bias = check_packed_inputs(pool, B, mixed_qkv, a, b, A_log, dt_bias)
+    lower_bound = check_lower_bound(pool, lower_bound)
+    H = packed_heads(pool, mixed_qkv.shape[1])
+    q, k, v = split_qkv(mixed_qkv, H, pool.head_k, pool.heads, pool.head_v)
+    compiling = torch.compiler.is_compiling()
+    if workspace is None:
+        workspace = packed_workspace(pool, B)
+    else:
+        inputs = None if compiling else spans({"idx": idx, "mixed_qkv": mixed_qkv, "a": a, "b": b, "A_log": A_log,
+                                               "dt_bias": dt_bias,
+                                               "out": out if isinstance(out, torch.Tensor) else None})
+        workspace = _check_workspace(pool, workspace, B, inputs)
+    g, beta = workspace
+    if compiling:
+        _torch_gates(pool, a, b, A_log, dt_bias, lower_bound, g, beta)
+    else:
+        for name, t in (("mixed_qkv", mixed_qkv), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
+            check_in_storage(t, name)
+        if check:
+            _check_packed_values(pool, idx, a, b, A_log, dt_bias)
+        chosen = resolve(backend, pool, "step")
+        launch(pool, getattr(chosen, "packed_gates", None) or _torch_gates, a, b, A_log, dt_bias, lower_bound, g,
+               beta)
+        backend = chosen.name
+    return step(pool, idx, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out, backend=backend,
+                check=check)
