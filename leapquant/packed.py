@@ -1,6 +1,6 @@
 """The engines' packed decode call: :func:`step_packed` takes vLLM's packed projection ``mixed_qkv`` and the raw gate
 inputs (``a``, ``b``, ``A_log``, ``dt_bias``), derives the log decay and beta with FLA's formulas, and runs
-:func:`leapquant.step` on views of ``mixed_qkv`` (docs/SPEC.md §6.1).
+:func:`leapquant.step` on views of ``mixed_qkv`` (docs/SPEC.md §6.2).
 
 The formulas, in torch (the definition; the reference path and the tests' oracle), each FLA's naive function:
 
@@ -227,7 +227,7 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
                 workspace: Optional[PackedWorkspace] = None, backend: BackendName = "auto",
                 check: bool = True) -> torch.Tensor:
     """One decode token per batch row from the engine's packed projection and raw gate inputs, in place on the pool;
-    returns the attention output (docs/SPEC.md §6.1). vLLM's ``fused_recurrent_gated_delta_rule_packed_decode`` and
+    returns the attention output (docs/SPEC.md §6.2). vLLM's ``fused_recurrent_gated_delta_rule_packed_decode`` and
     ``fused_recurrent_kda_packed_decode`` over a LeapQuant pool.
 
     The gates are computed first, into ``workspace`` (GDN ``g = -exp(A_log) * softplus(a + dt_bias)`` per value head;

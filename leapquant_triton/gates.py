@@ -1,4 +1,4 @@
-"""The gates of ``leapquant.step_packed`` (docs/SPEC.md §6.1) as a Triton kernel launched right before the step: from
+"""The gates of ``leapquant.step_packed`` (docs/SPEC.md §6.2) as a Triton kernel launched right before the step: from
 the raw inputs ``a``, ``b``, ``A_log``, ``dt_bias`` to the log decay ``g`` and ``beta``, one program per (row, value
 head), grid ``(B, HV)``, written into the caller's workspace. No host synchronisation, no allocation:
 graph-capturable. Fusing it into the step kernel's prologue is the next step (its launch and the workspace's round

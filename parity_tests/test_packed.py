@@ -1,4 +1,4 @@
-"""``leapquant.step_packed``, the engines' packed decode call (docs/SPEC.md §6.1): vLLM's ``mixed_qkv`` split as vLLM
+"""``leapquant.step_packed``, the engines' packed decode call (docs/SPEC.md §6.2): vLLM's ``mixed_qkv`` split as vLLM
 splits it; the gates and beta against FLA's own gate functions (its naive torch ones bit for bit, its Triton kernels
 within their approximations) and the Triton gate kernel against the torch formulas; ``step_packed`` against
 ``leapquant.step`` fed those gates (the same output and pool bytes); against FLA's float64 recurrence from the raw
