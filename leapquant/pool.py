@@ -327,9 +327,12 @@ class Pool:
         mask[(starts[:, None] + span[None, :]).reshape(-1)] = True
         return mask
 
-    def due(self, idx: torch.Tensor) -> torch.Tensor:
-        """``[N, HV]`` bool: which programs a flush over ``idx`` would take (SPEC §2 due rule)."""
+    def due(self, idx: torch.Tensor, force: bool = False) -> torch.Tensor:
+        """``[N, HV]`` bool: which programs a flush over ``idx`` would take (SPEC §2 due rule: ``hcnt == L``; with
+        ``force``, as ``flush(..., force=True)``, ``1 <= hcnt <= L``). A due program whose ring is empty is taken
+        and left as it is."""
         idx = idx.to(self.device).long()
         real = (idx >= self.first_slot) & (idx < self.num_slots)
         safe = torch.where(real, idx, torch.zeros_like(idx))
-        return real[:, None] & (self.hcnt[safe] == self.ring)
+        h = self.hcnt[safe]
+        return real[:, None] & (((h >= 1) & (h <= self.ring)) if force else h == self.ring)

@@ -2,7 +2,9 @@
 
 Limits (the kernel is written for them): the engine layout (SPEC §2), 32 heads per slot, ``head_k = head_v = 128``,
 ring 16, rank 1..4, sm_90 or sm_100, at most :data:`~leapquant_tilelang.kernel.DUE_LIST_MAX` due-list entries per CTA
-(about 8,400 slots on 132 SMs). Anything else is refused by :meth:`TileLangBackend.supports` with the reason.
+(about 8,400 slots on 132 SMs). Anything else is refused by :meth:`TileLangBackend.supports` with the reason. It
+flushes full rings only: ``flush(..., force=True)`` (partially filled rings, SPEC §2) is refused by the registry
+(``partial_rings`` is False), since its kernel stages and sums all L ring entries by construction.
 """
 
 from __future__ import annotations
