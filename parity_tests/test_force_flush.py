@@ -26,7 +26,7 @@ from leapquant.tools.workloads import fill
 from .conftest import backends_here
 from .strategies import random_bits
 
-TRITON = False
+TRITON = "triton" in backends_here("cpu")
 BACKENDS = ["reference", "reference:graph"] + (["triton:grid", "triton:list"] if TRITON else [])
 GATES = ["kda", "gdn"]
 
@@ -150,7 +150,8 @@ def test_parity_on_partial_rings(backend, gate, layout, monkeypatch):
 @pytest.mark.parametrize("ring,rank", [(8, 1), (32, 3)])
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b.startswith("triton")])
 def test_triton_other_rings(backend, ring, rank, monkeypatch):
-    """Rings of 8 and 32 entries (the kernel reads a ring of 32 in two chunks of 16): fill counts on both sides of 16."""
+    """Rings of 8 and 32 entries (the kernel reads a ring of 32 in two chunks of 16): fill counts either side of
+    16."""
     counts = torch.tensor([[1, ring], [ring - 1, ring // 2 + 1]])
     pool = _partial_pool("kda", seed=9, num_slots=3, ring=ring, rank=rank, counts=counts)
     p = parity.measure(pool, _i32(1, 2), _use(backend, monkeypatch), force=True)

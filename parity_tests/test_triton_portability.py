@@ -57,6 +57,19 @@ def test_claimed_architectures_fit():
         assert m[6] == "mma.sync", line
 
 
+@pytest.mark.slow
+def test_forced_flush_builds_fit():
+    """The forced flush's builds (FORCE: fill counts read, partial rings masked, hcnt stored) on sm_80 and sm_90, the
+    two code paths of the schedules (sm_90's list build has PDL and the L2 prefetch): they fit as the flush's do."""
+    res = _run("--quick", "--ops", "force", "--arch", "80,90")
+    assert res.returncode == 0, res.stdout + res.stderr[-4000:]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("sm_")]
+    assert len(rows) == 2 * 2 * 2, res.stdout
+    for line in rows:
+        m = re.search(r" (grid|list)-force +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B .* mma\.sync ", line)
+        assert m and int(m[3]) <= MAX_SPILL_BYTES, line
+
+
 @pytest.mark.parametrize("ptx,family", [
     ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, ...;", "mma.sync"),
     ("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, 1, 1, 1, 0, 0;", "wgmma"),
