@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 
 from . import formulas
-from .checks import (POOL_BASE, check_append, check_device, check_geometry, check_in_storage, check_iters,
+from .checks import (POOL_BASE, check_append, check_copy_slots, check_device, check_geometry, check_in_storage,
+                     check_iters,
                      check_load_apart, check_pool, check_pool_tensors, check_slots, check_state_tensor,
                      check_state_values, check_states_out, check_states_out_apart, spans, state_shape)
 from .constants import BASE_WORDS, EPS
@@ -55,6 +56,12 @@ def _device_memory(device: torch.device) -> int | None:
     except (AttributeError, ValueError, OSError, RuntimeError):
         pass
     return None
+
+
+def _without_sync(pool: "Pool") -> bool:
+    """Whether the pool's own torch operations (:meth:`Pool.copy_slots`) must run without host synchronisation: on
+    CUDA, where ``check=False`` promises it (CUDA graphs); on the CPU a host read costs nothing."""
+    return pool.device.type != "cpu"
 
 
 def start_matrix(head_v: int, rank: int) -> torch.Tensor:
@@ -292,6 +299,67 @@ class Pool:
         b = resolve(backend, self, "states")
         if s.numel():
             launch(self, b.load_states, s, S, bool(state_v_first))
+
+    def copy_slots(self, src, dst, *, check: bool = True) -> None:
+        """Copy slot ``src[i]`` into slot ``dst[i]`` for every ``i`` (SPEC §5.3): every head's checkpoint (its
+        ``checkpoint_bytes`` in ``raw``), ring (``kbuf``, ``ubuf``, ``w``, ``gbuf``), ``pcum`` and ``hcnt``, bit for
+        bit. Prefix caching: a sequence's state at a block boundary copied into a cache slot, or a cached one into a
+        new sequence's slot (after :func:`leapquant.flush` with ``force=True`` the checkpoint alone is the state).
+
+        Every value is read before any is written, so ``src`` may repeat (one prefix into several slots) and may name
+        slots of ``dst`` (a permutation of slots moves them). Nothing else is written: not the rest of an engine
+        layout's region or its spare head, not ``q0``, no other slot.
+
+        Args:
+            src, dst: ``[n]`` slots. With ``check=True`` (one host read: a synchronisation) sequences of ints or integer
+                tensors, every value a real slot (the vLLM convention's null slot 0 refused in both), ``dst``
+                distinct, the same length; a ValueError or TypeError names the argument, before anything is written.
+                With ``check=False``: int32 or int64 tensors, 1-D, contiguous, on the pool's device, of one length
+                (metadata only, no synchronisation: graph-capturable); a pair whose ``src`` or ``dst`` is not a real
+                slot is skipped (nothing written for it), and a ``dst`` named twice gets one of its copies.
+        """
+        self.check_layout(force=check)
+        s, d = check_copy_slots(self, src, dst, check)
+        if s.numel() == 0:
+            return
+        s, d = s.long(), d.long()
+        ok = self._real(s) & self._real(d)
+        if not _without_sync(self):
+            # a host read costs nothing here: copy exactly the valid pairs, so no other byte is even rewritten
+            rows = ok.nonzero().reshape(-1)
+            s, d = s[rows], d[rows]
+            if s.numel() == 0:
+                return
+        else:
+            # without a synchronisation: a skipped pair copies the first valid pair again (the same bytes to the
+            # same slot), or with none slot 0 onto itself, so that the launches do not depend on the values
+            first = torch.argmax(ok.to(torch.int32)).view(1)  # indexed as a tensor: a 0-d index would be read
+            some = ok.any()
+            zero = torch.zeros_like(s)
+            s = torch.where(ok, s, torch.where(some, s.index_select(0, first), zero))
+            d = torch.where(ok, d, torch.where(some, d.index_select(0, first), zero))
+        # gather every tensor's rows into temporaries before the first write: a permutation reads only old values
+        parts = [(t, t.index_select(0, s)) for t in self._slot_rows()]
+        for t, rows in parts:
+            t.index_copy_(0, d, rows)
+
+    def _real(self, slots: torch.Tensor) -> torch.Tensor:
+        """bool per entry of ``slots``: a real slot of the pool's convention (SPEC §2), on the device."""
+        return (slots >= self.first_slot) & (slots < self.num_slots)
+
+    def _slot_rows(self) -> list[torch.Tensor]:
+        """What a slot holds, each as an integer view with the slot as its first dimension (bits copied as they are,
+        NaN payloads included): the checkpoints, ``[NS, HV, checkpoint_bytes / 4]`` words of ``raw`` at the
+        layout's strides, and the ring tensors, ``pcum`` and ``hcnt``."""
+        g = self.geometry
+        words = self.raw.view(torch.int32)
+        ckpt = words.as_strided((g.num_slots, g.heads, g.checkpoint_bytes // 4), (g.slot_stride, g.head_stride, 1),
+                                words.storage_offset() + BASE_WORDS)
+        ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+                torch.int32: torch.int32}
+        rows = [ckpt] + [t.view(ints[t.dtype]) for t in (self.kbuf, self.ubuf, self.w, self.pcum, self.gbuf, self.hcnt)
+                         if t is not None]
+        return rows
 
     def append(self, slots, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
         """One token per slot into the ring (SPEC §6 steps 1-4): the decode step's ring update, in plain torch.
