@@ -107,7 +107,7 @@ class _Plan:
         if schedule == "list":
             self.due_list = _launch_due_list.prepare(
                 dict(hcnt=hcnt, NS=g.num_slots, HV=g.heads, FIRST=consts["FIRST"], L=g.ring,
-                     HB=triton.next_power_of_2(g.heads), PDL=pdl, FORCE=consts["FORCE"]),
+                     HB=triton.next_power_of_2(g.heads), PDL=pdl),
                 dict(num_warps=1, **FP_FUSION, launch_pdl=pdl))
 
 
@@ -133,14 +133,17 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
     of the flush takes pair p: the due programs are launched first, the others return after one load. The default is
     :func:`schedule_for`; ``schedule``, ``num_warps`` and ``maxnreg`` override the tuned defaults (for experiments;
     ``maxnreg=0`` lifts the cap). ``force``: the forced flush (SPEC §2), partially filled rings too, their ``hcnt``
-    set to L; the same launches, built with ``FORCE``."""
+    set to L: the grid schedule built with ``FORCE``, whatever ``N`` (nearly every named ring holds an entry, and all
+    due is where the grid beats the list; docs/DESIGN.md, "Forced flush")."""
     g = pool.geometry
     N = idx.numel()
     if N == 0:
         return
-    schedule = schedule or schedule_for(N, g.heads)
+    schedule = schedule or ("grid" if force else schedule_for(N, g.heads))
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
+    if force and schedule != "grid":
+        raise ValueError("the forced flush takes the grid schedule only")
     nw, cap = warps_and_cap(g.head_k, g.head_v, num_warps, maxnreg)
     plan = _plan(pool, N, schedule, nw, cap, idx.device, bool(force))
     # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch their own

@@ -60,23 +60,11 @@ def _named_before(idx, i_n, i_s):
 
 
 @triton.jit
-def _entries_in_use(p_hc, L: tl.constexpr, FORCE: tl.constexpr):
-    """How many ring entries the flush reads: L, or (``FORCE``) the pair's fill count at ``p_hc``, loaded (from L1)
-    where it is used rather than held in a register through the rebuild: held, it added 40 B of spills to the largest
-    build (KDA 128 x 128, ring 32, ITERS 2, list schedule), past the AOT check's allowance."""
-    if FORCE:
-        return tl.load(p_hc)
-    return L
-
-
-@triton.jit
-def _ring_has_entries(p_w, p_pc, p_hc, K: tl.constexpr, L: tl.constexpr, BL: tl.constexpr, IS_KDA: tl.constexpr,
-                      FORCE: tl.constexpr):
-    """Whether the pair's ring holds anything since its last flush: not every ``w`` of its entries in use zero, or the
-    checkpoint's scale not the identity (KDA ``pcum`` not all 0, GDN ``pcum != 1``). A ring in the state a flush's
-    reset leaves is not flushed again (SPEC §2): its state is its checkpoint, and re-compressing it would only add
-    error. NaN counts as something."""
-    n_used = _entries_in_use(p_hc, L, FORCE)
+def _ring_has_entries(p_w, p_pc, n_used, K: tl.constexpr, BL: tl.constexpr, IS_KDA: tl.constexpr):
+    """Whether the pair's ring holds anything since its last flush: not every ``w`` of its ``n_used`` entries in use
+    zero, or the checkpoint's scale not the identity (KDA ``pcum`` not all 0, GDN ``pcum != 1``). A ring in the state
+    a flush's reset leaves is not flushed again (SPEC §2): its state is its checkpoint, and re-compressing it would
+    only add error. NaN counts as something."""
     o_l = tl.arange(0, BL)
     n_live = tl.sum((tl.load(p_w + o_l, mask=o_l < n_used, other=0.0) != 0.0).to(tl.int32), axis=0)
     if IS_KDA:
@@ -117,21 +105,12 @@ def _prefetch(work, n_due, q, codes, kbuf, ubuf, w, gbuf, HV, SS, HS, K: tl.cons
 
 
 @triton.jit
-def _is_due(b_hc, L: tl.constexpr, FORCE: tl.constexpr):
-    """SPEC §2's due rule on fill counts: a full ring, or (``FORCE``, a forced flush) any ring holding an entry."""
-    if FORCE:
-        return (b_hc >= 1) & (b_hc <= L)
-    return b_hc == L
-
-
-@triton.jit
 def due_list_kernel(idx, hcnt, work, NS, HV, FIRST: tl.constexpr, L: tl.constexpr, HB: tl.constexpr,
-                    PDL: tl.constexpr, FORCE: tl.constexpr):
+                    PDL: tl.constexpr):
     """Grid ``(N,)``: appends row n's due pairs as ``slot HV + head`` to ``work[1:]`` and counts them in ``work[0]``
-    (zeroed before): one atomic add per row, a prefix sum within it. A pair is listed if it is due (``FORCE``: its
-    ring holds an entry) and row n is the first row naming its slot (at most once per call); whether its ring holds
-    anything the flush program asks itself (from L1, after its loads: reading the rings here would make the list one
-    dependent load longer)."""
+    (zeroed before): one atomic add per row, a prefix sum within it. A pair is listed if it is due and row n is the
+    first row naming its slot (at most once per call); whether its ring holds anything the flush program asks itself
+    (from L1, after its loads: reading the rings here would make the list one dependent load longer)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()  # the flush may start: it waits for this grid before reading work
@@ -140,7 +119,7 @@ def due_list_kernel(idx, hcnt, work, NS, HV, FIRST: tl.constexpr, L: tl.constexp
     o_h = tl.arange(0, HB)
     # a select: Triton 3.9's interpreter rejects `&` of a block and a scalar comparison as a mask
     m_h = tl.where((i_s >= FIRST) & (i_s < NS), o_h < HV, False)
-    b_due = _is_due(tl.load(hcnt + i_s * HV + o_h, mask=m_h, other=0), L, FORCE)
+    b_due = tl.load(hcnt + i_s * HV + o_h, mask=m_h, other=0) == L
     b_due = tl.where(_named_before(idx, i_n, i_s) == 0, b_due, False).to(tl.int32)
     n_due = tl.sum(b_due, axis=0)
     if n_due > 0:
@@ -191,12 +170,11 @@ def _pin(b_x):
 
 
 @triton.jit
-def _ring_chunk(p_k, p_u, p_w, p_g, p_hc, c: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-                IS_KDA: tl.constexpr, FORCE: tl.constexpr):
-    """Ring entries 16 c .. 16 c + 15 of those in use (:func:`_entries_in_use`; zero past them, whatever those
-    entries hold): ubuf^T [V, 16] and the decayed keys [16, K] as three bf16 pieces, largest first, whose sum is exact
-    (so is every product with ubuf)."""
-    n_used = _entries_in_use(p_hc, L, FORCE)
+def _ring_chunk(p_k, p_u, p_w, p_g, n_used, c: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                IS_KDA: tl.constexpr):
+    """Ring entries 16 c .. 16 c + 15 of the ``n_used`` in use (``L``, or a forced flush's fill count; zero past
+    them, whatever those entries hold): ubuf^T [V, 16] and the decayed keys [16, K] as three bf16 pieces, largest
+    first, whose sum is exact (so is every product with ubuf)."""
     o_k = tl.arange(0, K)
     o_j = c * 16 + tl.arange(0, 16)
     m_j = o_j < n_used
@@ -235,12 +213,12 @@ def _ring_dots(b_s, b_ut, b_k1, b_k2, b_k3, BF16_DOTS: tl.constexpr):
 
 
 @triton.jit
-def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, p_hc, p_q0, p_e, p_qt, m_q, K: tl.constexpr,
+def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, p_q0, p_e, p_qt, m_q, n_used, K: tl.constexpr,
              V: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr,
-             IS_KDA: tl.constexpr, BF16_DOTS: tl.constexpr, FORCE: tl.constexpr):
-    """Steps 1-4: S = (Dq + Lo) * scale + Ring [V, K] over the ring's entries in use (all L; ``FORCE``: as many as
-    the fill count at ``p_hc``); writes fp16(Q0) to ``p_qt`` and (KDA) exp(pcum) to ``p_e``. Every input is loaded
-    before the first barrier, so that their latencies overlap."""
+             IS_KDA: tl.constexpr, BF16_DOTS: tl.constexpr):
+    """Steps 1-4: S = (Dq + Lo) * scale + Ring [V, K] over the ring's first ``n_used`` entries (``L``, or a forced
+    flush's fill count); writes fp16(Q0) to ``p_qt`` and (KDA) exp(pcum) to ``p_e``. Every input is loaded before the
+    first barrier, so that their latencies overlap."""
     o_k, o_v, _, o_r, _, m_r = _ranges(K, V, L, R, BL, BR)
     b_pc = tl.load(p_pc + o_k) if IS_KDA else tl.load(p_pc)
     b_q0 = tl.load(p_q0 + o_v[:, None] * R + o_r[None, :], mask=m_r[None, :], other=0.0)
@@ -249,7 +227,7 @@ def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, p_hc, p_q0, p_e, p_qt, 
     b_c = tl.load(p_c)
     b_qo = tl.load(p_uq + o_r[None, :] * (K + V) + K + o_v[:, None], mask=m_r[None, :], other=0.0)
     b_uo = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=m_r[:, None], other=0.0)
-    b_ut, b_k1, b_k2, b_k3 = _ring_chunk(p_k, p_u, p_w, p_g, p_hc, 0, K, V, L, IS_KDA, FORCE)
+    b_ut, b_k1, b_k2, b_k3 = _ring_chunk(p_k, p_u, p_w, p_g, n_used, 0, K, V, L, IS_KDA)
     tl.store(p_qt, b_q0.to(tl.float16), mask=m_q)
     if IS_KDA:
         tl.store(p_e + o_k, tl.exp(b_pc))
@@ -265,7 +243,7 @@ def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, p_hc, p_q0, p_e, p_qt, 
     # the ring 16 entries at a time: whole-ring operands spill at L = 32
     b_s = _ring_dots(b_s, b_ut, b_k1, b_k2, b_k3, BF16_DOTS)
     for c in tl.static_range(1, BL // 16):
-        b_ut, b_k1, b_k2, b_k3 = _ring_chunk(p_k, p_u, p_w, p_g, p_hc, c, K, V, L, IS_KDA, FORCE)
+        b_ut, b_k1, b_k2, b_k3 = _ring_chunk(p_k, p_u, p_w, p_g, n_used, c, K, V, L, IS_KDA)
         b_s = _ring_dots(b_s, b_ut, b_k1, b_k2, b_k3, BF16_DOTS)
     return b_s
 
@@ -467,8 +445,12 @@ def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum,
     (idx[n], h) if it is due; True: grid (N HV,), program p the p-th pair of ``work`` (:func:`due_list_kernel`; ``PDL``:
     launched as its dependent; ``AHEAD``: the L2 prefetch distance). ``codes``, ``skv``, ``uq``: int8, fp32, fp16 views
     of the pool, region (n, h) at word n SS + h HS (SPEC §2: HS = V K in the engine layout, the rounded checkpoint in
-    the compact one); ``scratch``, ``scratch16``: SCR words per program. ``FORCE``: the forced flush (SPEC §2), every
-    ring holding an entry is due, read up to its fill count, and a flushed pair's ``hcnt`` set to L."""
+    the compact one); ``scratch``, ``scratch16``: SCR words per program. ``FORCE``: the forced flush (SPEC §2), grid
+    schedule only: every ring holding an entry is due, read up to its fill count, and a flushed pair's ``hcnt`` set
+    to L."""
+    tl.static_assert(not (LIST and FORCE), "the forced flush takes the grid schedule")
+    # the ring entries in use: all L, or a forced flush's fill count (below)
+    n_used = L
     if LIST:
         pid = tl.program_id(0)
         if PDL:
@@ -487,7 +469,8 @@ def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum,
             return
         i_sh = i_s * HV + i_h  # int64: NS HV L K passes 2^31 at a few thousand slots
         if FORCE:
-            if not _is_due(tl.load(hcnt + i_sh), L, FORCE):
+            n_used = tl.load(hcnt + i_sh)
+            if (n_used < 1) | (n_used > L):
                 return
         else:
             if tl.load(hcnt + i_sh) != L:
@@ -499,19 +482,19 @@ def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum,
     p_qt, m_q = _q16_tile(p_q16, V, BR)
     p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g = _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, o_reg,
                                                                 i_sh, K, V, L, IS_KDA)
-    b_s = _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, hcnt + i_sh, q0, p_e, p_qt, m_q, K, V, L, R, BL, BR,
-                   IS_KDA, BF16_DOTS, FORCE)
+    b_s = _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, q0, p_e, p_qt, m_q, n_used, K, V, L, R, BL, BR, IS_KDA,
+                   BF16_DOTS)
     if not LIST:
         # what due_list_kernel decides for the list: once per call. Here, after the rebuild's loads, so that the
         # scan's latency is not added before them; the pool is not written before this point
         if _named_before(idx, i_n, i_s) > 0:
             return
     # nothing for an empty ring (both schedules): its w and pcum come from L1 after the rebuild's loads
-    if not _ring_has_entries(p_w, p_pc, hcnt + i_sh, K, L, BL, IS_KDA, FORCE):
+    if not _ring_has_entries(p_w, p_pc, n_used, K, BL, IS_KDA):
         return
     _compress(b_s, p_c, p_skv, p_uq, p_w, p_pc, p_g, p_y, p_gram, p_cn, p_q16, p_qt, m_q, p_e, o_k, o_v, o_l, o_r, m_l,
               m_r, K, V, R, BL, BR, ITERS, IS_KDA, BF16_DOTS)
     if FORCE:
-        # "flushed, next entry 0" (SPEC §2): no program of this launch reads this pair's hcnt after its own load
-        # but a later row naming the same slot, which finds it due either way and stops at the scan above
+        # "flushed, next entry 0" (SPEC §2): no program of this launch reads this pair's hcnt after its own load but
+        # a later row naming the same slot, which finds it due either way and stops at the first-row scan above
         tl.store(hcnt + i_sh, L)

@@ -8,10 +8,10 @@ same flags Triton uses) and compares it with the architecture's limits. It exits
 not compile, does not fit (255 registers per thread, the shared memory per block of that architecture, no spills
 beyond :data:`MAX_SPILL_BYTES`), or does not take the tensor-core lowering it must: ``mma.sync`` for the flush's
 ``tl.dot`` and the states kernels' (the backend forces it), ``mma.sync`` or none for the step (:func:`mma_family` of
-the PTX). The flush's builds (``grid``, ``list``; the forced flush's ``grid-force``, ``list-force``) and the states
-builds (``load``, ``states``; ``-kv``: FLA's ``[K, V]`` state layout) are claimed on
-:data:`.targets.SUPPORTED_CAPABILITIES`, the step's (``step``) on
-:data:`.targets.STEP_CAPABILITIES`, sm_75 included; targets not claimed are compiled and reported but cannot fail.
+the PTX). The flush's builds (``grid``, ``list``; the forced flush's ``grid-force``) and the states builds
+(``load``, ``states``; ``-kv``: FLA's ``[K, V]`` state layout) are claimed on :data:`.targets.SUPPORTED_CAPABILITIES`,
+the step's (``step``) on :data:`.targets.STEP_CAPABILITIES`, sm_75 included; targets not claimed are compiled and
+reported but cannot fail.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ _STATES_POINTERS = dict(_POINTERS, slots="*i32", states="*fp32", out="*fp32")
 STEP = "step"
 # the states builds: each kernel with the V-first state and (-kv) FLA's [K, V] one
 STATES = tuple(f"{which}{lay}" for which in STATES_KERNELS for lay in ("", "-kv"))
-# the forced flush's builds (FORCE: partially filled rings, SPEC §2), one per schedule
-FORCED = tuple(f"{s}-force" for s in SCHEDULES)
+# the forced flush's build (FORCE: partially filled rings, SPEC §2; the grid schedule only)
+FORCED = ("grid-force",)
 # the builds of each op, as --ops selects them
 OPS = {"flush": SCHEDULES, "force": FORCED, "step": (STEP,), "states": STATES}
 

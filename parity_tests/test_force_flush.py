@@ -6,8 +6,8 @@ Pools are poisoned first (random bytes everywhere, NaN and infinity included), t
 rings whose fill counts lie anywhere in 1..L, with the entries past each count poisoned again: a backend that read
 them would store NaN or garbage. Each backend is judged by SPEC §4 against the reference on the entries in use
 (``parity.measure(..., force=True)``); the reference itself against its definition (``formulas``), bit for bit. The
-Triton kernel runs through its interpreter on the CPU, in both schedules; ``reference:graph`` is the reference's path
-without host synchronisation (CUDA's), taken on the CPU.
+Triton kernel runs through its interpreter on the CPU (its forced flush has one schedule, the grid);
+``reference:graph`` is the reference's path without host synchronisation (CUDA's), taken on the CPU.
 """
 
 from __future__ import annotations
@@ -27,17 +27,13 @@ from .conftest import backends_here
 from .strategies import random_bits
 
 TRITON = "triton" in backends_here("cpu")
-BACKENDS = ["reference", "reference:graph"] + (["triton:grid", "triton:list"] if TRITON else [])
+# the Triton forced flush has one schedule, the grid (leapquant_triton.flush.flush_pool)
+BACKENDS = ["reference", "reference:graph"] + (["triton"] if TRITON else [])
 GATES = ["kda", "gdn"]
 
 
 def _use(backend: str, monkeypatch) -> str:
-    """``backend`` by name, its variant set up: a Triton schedule, or the reference's graph-capturable path."""
-    if backend.startswith("triton:"):
-        import leapquant_triton.flush as flush
-
-        monkeypatch.setattr(flush, "schedule_for", lambda rows, heads, s=backend.split(":")[1]: s)
-        return "triton"
+    """``backend`` by name; ``reference:graph``: the reference's graph-capturable path."""
     if backend == "reference:graph":
         import leapquant.reference as reference
 
@@ -156,6 +152,20 @@ def test_triton_other_rings(backend, ring, rank, monkeypatch):
     pool = _partial_pool("kda", seed=9, num_slots=3, ring=ring, rank=rank, counts=counts)
     p = parity.measure(pool, _i32(1, 2), _use(backend, monkeypatch), force=True)
     assert p.count == 4 and p.ok(), p.failures()
+
+
+@pytest.mark.skipif(not TRITON, reason="Triton backend cannot run here (needs CUDA or the interpreter)")
+def test_triton_takes_the_grid_for_any_batch(monkeypatch):
+    """The forced flush launches the grid schedule whatever N (nearly every named ring is due, where the grid beats
+    the list), even where the ordinary flush would take the list; asking for the list is refused."""
+    import leapquant_triton.flush as flush
+
+    monkeypatch.setattr(flush, "schedule_for", lambda rows, heads: "list")
+    pool = _partial_pool("gdn", seed=31, num_slots=3)
+    p = parity.measure(pool, _i32(1, 2), "triton", force=True)
+    assert p.count == 4 and p.ok(), p.failures()
+    with pytest.raises(ValueError, match="grid schedule only"):
+        flush.flush_pool(pool, _i32(1, 2), schedule="list", force=True)
 
 
 # --- what the pool holds afterwards -----------------------------------------------------------------------------
