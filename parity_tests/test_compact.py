@@ -21,7 +21,6 @@ import torch
 import leapquant
 from leapquant import parity
 from leapquant import formulas as ref
-from leapquant.backends import BackendError
 from leapquant.constants import BASE_WORDS
 from leapquant.memory import formats
 
@@ -171,17 +170,18 @@ def test_pickled_compact_pool_aliases_raw(how):
     assert not torch.equal(a["raw"], start["raw"]), "the flush stored nothing"
 
 
-def test_tilelang_refuses_compact_and_auto_passes_it_over():
-    """TileLang addresses the engine layout only: it says so, an explicit request raises BackendError with that
-    reason, and "auto" picks another backend."""
+def test_tilelang_takes_both_layouts():
+    """TileLang builds the layout's strides into its kernel (test_tilelang_compile: the addresses are all that
+    changes), so its requirements take both layouts; where it cannot run, the reason is the machine, not the
+    layout."""
     from leapquant_tilelang.backend import TileLangBackend
 
-    pool = leapquant.Pool(2, 32, layout="compact")
-    ok, why = TileLangBackend().supports(pool)
-    assert not ok and "layout 'compact'" in why
-    with pytest.raises(BackendError, match="layout 'compact'"):
-        leapquant.select(pool, "tilelang")
-    assert leapquant.select(pool, "auto").name != "tilelang"
+    backend = TileLangBackend()
+    for layout in ("engine", "compact"):
+        pool = leapquant.Pool(2, 32, layout=layout)
+        assert backend.requirements.check_layout(pool) == (True, "ok")
+        ok, why = backend.supports(pool)
+        assert ok or "layout" not in why, why
 
 
 def test_compiled_flush_of_a_compact_pool():
