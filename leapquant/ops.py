@@ -176,8 +176,8 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def op_args(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto") -> tuple:
     """The positional arguments of ``torch.ops.leapquant.flush`` for ``flush(pool, idx, backend)``: the pool's tensors,
-    ``idx``, its geometry and the backend's name; the layout goes as the keyword ``layout`` (its default, "engine",
-    keeps the op's positional form what it was before there were two layouts)."""
+    ``idx``, its geometry and the backend's name; the layout goes as the keyword ``layout`` (default "compact", the
+    pool's)."""
     g = pool.geometry
     return (pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt, pool.q0, idx,
             g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters, backend)
@@ -191,8 +191,8 @@ _POOL_PARAMS = (("raw", "Tensor"), ("kbuf", "Tensor"), ("ubuf", "Tensor"), ("w",
                 ("gate", "str"), ("convention", "str"), ("iters", "SymInt"))
 _STEP_PARAMS = (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("g", "Tensor"), ("beta", "Tensor"),
                 ("out", "Tensor"), ("scale", "float"), ("use_qk_l2norm", "bool"))
-# the layout last, with the default it had before there were two: the op's positional form is unchanged
-_TAIL_PARAMS = (("backend", "str"), ("check", "bool", False), ("layout", "str", "engine"))
+# the layout last, a keyword whose default is the pool's default layout (flush and step always pass it)
+_TAIL_PARAMS = (("backend", "str"), ("check", "bool", False), ("layout", "str", "compact"))
 
 
 def _custom_op(name: str, params: tuple, mutated: tuple[str, ...], body):

@@ -28,8 +28,8 @@ from .registry import launch, resolve
 def _restore(tensors: dict, geometry: dict, convention: str, iters: int) -> "Pool":
     """What a pickled :class:`Pool` is rebuilt by: the views of ``raw`` made afresh over the loaded tensors (checked
     by :meth:`Pool.from_tensors`, like any other tensors). ``geometry`` carries the layout (a pickle written before
-    there were two has none: the engine layout)."""
-    return Pool.from_tensors(**tensors, **geometry, convention=convention, iters=iters)
+    there were two has none: the engine layout, then the only one)."""
+    return Pool.from_tensors(**tensors, **{"layout": "engine", **geometry}, convention=convention, iters=iters)
 
 
 # torch.load's default weights_only=True may rebuild a pool: _restore takes only tensors, ints and strings, and checks
@@ -102,9 +102,10 @@ class Pool:
         q0: the start matrix ``[V, R]`` fp32; default :func:`start_matrix`.
         iters: ITERS, rounds of subspace iteration per flush (1 is the seed's; 2 buys accuracy on slowly decaying
             spectra at twice the products).
-        layout: how ``raw`` holds the checkpoints (SPEC §2): ``"engine"`` (the seed's, an fp32 state's room per
-            head and a spare head per slot) or ``"compact"`` (each checkpoint rounded up to 128 bytes, back to back:
-            about 3.4x less at the defaults). The TileLang backend takes the engine layout only.
+        layout: how ``raw`` holds the checkpoints (SPEC §2): ``"compact"`` (the default: each checkpoint rounded up
+            to 128 bytes, back to back) or ``"engine"`` (the seed's, an fp32 state's room per head and a spare head per
+            slot: about 3.5x more ``raw`` at the defaults, for engines and kernels that address it). Every backend
+            takes both.
 
     A new pool holds zero states with empty rings: codes 0, ``s_k = s_v = EPS``, factors 0, ``w = 0``,
     ``gbuf = 1``, ``pcum = 0`` (GDN: 1), ``hcnt = 0``.
@@ -123,7 +124,7 @@ class Pool:
         device: torch.device | str = "cpu",
         q0: torch.Tensor | None = None,
         iters: int = 1,
-        layout: Layout = "engine",
+        layout: Layout = "compact",
     ):
         geo = Geometry(num_slots, heads, head_k, head_v, ring, rank, gate, layout)
         check_geometry(geo, convention)
@@ -162,7 +163,7 @@ class Pool:
 
     @classmethod
     def from_tensors(cls, raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, *, num_slots, heads, head_k, head_v, ring, rank,
-                     gate, convention="vllm", iters=1, layout="engine") -> "Pool":
+                     gate, convention="vllm", iters=1, layout="compact") -> "Pool":
         """A pool over existing tensors (no copy): how the custom op and unpickling rebuild one. Views of ``raw`` are
         made afresh, in ``layout``; ``raw`` must hold exactly that layout's words (``Geometry.raw_words``). Every
         tensor's metadata is checked first (no synchronisation): a wrong dtype, shape, device, stride, alignment, a

@@ -118,7 +118,7 @@ def test_addresses_and_allocation(K, V, R):
                                                             pool.hcnt))
     table = {f.name: f.per_sequence for f in formats(HV, K, V, 16, R, "kda")}
     assert table["LeapQuant, compact layout"] == (pool.raw.numel() * 4 - 4 * BASE_WORDS) // NS + rings
-    engine = leapquant.Pool(NS, HV, K, V, 16, R, device=DEVICE)
+    engine = leapquant.Pool(NS, HV, K, V, 16, R, device=DEVICE, layout="engine")
     assert table["LeapQuant, engine layout"] == (engine.raw.numel() * 4 - 4 * BASE_WORDS) // NS + rings
     # a new compact pool holds the same zero states as a new engine pool
     assert _same_contents(pool, engine) == []
@@ -130,7 +130,7 @@ def test_construction_checks():
     with pytest.raises(ValueError, match="layout must be"):
         leapquant.Pool(3, 2, 64, 64, 8, 2, layout="dense")
     pool = leapquant.Pool(3, 2, 64, 64, 8, 2, layout="compact")
-    engine = leapquant.Pool(3, 2, 64, 64, 8, 2)
+    engine = leapquant.Pool(3, 2, 64, 64, 8, 2, layout="engine")
     geo = dict(num_slots=3, heads=2, head_k=64, head_v=64, ring=8, rank=2, gate="kda")
     parts = dict(kbuf=pool.kbuf, ubuf=pool.ubuf, w=pool.w, pcum=pool.pcum, gbuf=pool.gbuf, hcnt=pool.hcnt,
                  q0=pool.q0)

@@ -24,8 +24,9 @@ GEOMETRIES = [(32, 128, 128, 16, 4), (3, 64, 64, 8, 1), (5, 128, 64, 32, 2), (2,
 
 @pytest.mark.parametrize("heads,K,V,L,R", GEOMETRIES)
 def test_layout_is_byte_exact(heads, K, V, L, R):
-    """Write through each view, read the raw buffer at the SPEC §2 byte offsets."""
-    pool = leapquant.Pool(3, heads, K, V, L, R)
+    """Write through each view, read the raw buffer at the SPEC §2 byte offsets (the engine layout's; the compact
+    one's: test_compact.py)."""
+    pool = leapquant.Pool(3, heads, K, V, L, R, layout="engine")
     n, h = 2, heads - 1
     region = 4 * (BASE_WORDS + n * (heads + 1) * V * K + h * V * K)
     raw = pool.raw.view(torch.uint8)
