@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import subprocess
 import sys
@@ -49,8 +50,11 @@ def _case_pool(case: tuple, device: torch.device):
     gate, heads, K, V, ring, rank, iters, convention, rows, frac = case
     gen = torch.Generator().manual_seed(1234)
     first = 1 if convention == "vllm" else 0
+    # the engine layout, named where the tree knows layouts (the only one of a tree before them, the default until
+    # the compact one became it): raw is hashed whole, so both sides of a comparison need the same layout
+    layout = {"layout": "engine"} if "layout" in inspect.signature(leapquant.Pool).parameters else {}
     pool = leapquant.Pool(first + rows + 2, heads, K, V, ring, rank, gate=gate, convention=convention,
-                          device=device, iters=iters)
+                          device=device, iters=iters, **layout)
     slots = torch.randperm(rows + 2, generator=gen)[:rows] + first
     fill(pool, slots, "gaussian", gen, due=torch.rand(rows, heads, generator=gen) < frac)
     return pool, slots.to(torch.int32).to(device)

@@ -81,7 +81,8 @@ def run(device: torch.device, batch: int, heads: int, head_k: int, head_v: int, 
 
     gen = torch.Generator().manual_seed(0)
     B, HV = batch, heads
-    pool = leapquant.Pool(B + 1, HV, head_k, head_v, gate=gate, device=device)
+    # the engine layout, named: the flush comparison below copies this pool into a compact one (the default)
+    pool = leapquant.Pool(B + 1, HV, head_k, head_v, gate=gate, device=device, layout="engine")
     slots = torch.arange(1, B + 1, dtype=torch.int32, device=device)
     fill(pool, slots.cpu(), "gaussian", gen)  # checkpoints and full rings: the state as a decode leaves it
     chosen = leapquant.select(pool, backend, op="states").name

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
     from .pool import Pool
 
 ENTRY_POINT_GROUP = "leapquant.backends"
-# the operations a backend may implement: flush is required, the others optional
-OPS = ("flush", "step", "states")
+# the operations a backend may implement: flush is required, the others optional ("force_flush": flush with
+# force=True, partially filled rings included)
+OPS = ("flush", "force_flush", "step", "states")
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ class Backend:
     # "auto" considers this backend only where this is None; otherwise it says why not (e.g. not yet passing the
     # parity suite on that device kind); asking for the backend by name still works
     not_for_auto: dict[str, str] = {}
+    # whether flush(..., force=True) is implemented: partially filled rings flushed too (SPEC §2, "Forced flush")
+    partial_rings: bool = False
 
     def available(self) -> tuple[bool, str]:
         """Whether this backend can run on this machine at all, and why not."""
@@ -111,11 +114,14 @@ class Backend:
             return ok, why
         return self.requirements.check_device_and_geometry(pool)
 
-    def flush(self, pool: "Pool", idx: torch.Tensor) -> None:
+    def flush(self, pool: "Pool", idx: torch.Tensor, force: bool = False) -> None:
         """Flush the due programs of ``idx`` (int32 ``[N]`` on the pool's device) in place.
 
         Called with validated arguments. Must not synchronise with the host and must launch the same work for the
         same pool and ``N``, so that it can be captured in a CUDA graph. Writes nothing outside the due programs.
+        ``force`` (passed, positionally, only to a backend that sets :attr:`partial_rings`): every ring holding an
+        entry is due, ``1 <= hcnt <= L``, read up to its ``hcnt`` entries, and a flushed program's ``hcnt`` set to
+        ``L`` (SPEC §2, "Forced flush").
         """
         raise NotImplementedError
 
@@ -142,9 +148,11 @@ class Backend:
 
     def implements(self, op: str) -> bool:
         """Whether the backend implements ``op`` (one of :data:`OPS`; ``"states"`` means both :meth:`load_states`
-        and :meth:`states`)."""
+        and :meth:`states`; ``"force_flush"`` a :meth:`flush` that takes ``force``, :attr:`partial_rings`)."""
         if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        if op == "force_flush":
+            return self.partial_rings and self.implements("flush")
         names = ("load_states", "states") if op == "states" else (op,)
         return all(getattr(type(self), n) is not getattr(Backend, n) for n in names)
 

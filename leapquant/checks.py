@@ -295,6 +295,28 @@ def check_slots(pool: "Pool", slots, name: str = "slots", distinct: bool = False
     return s if s is not None else torch.tensor(host, dtype=torch.long, device=pool.device)
 
 
+def check_copy_slots(pool: "Pool", src, dst, check: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Pool.copy_slots``' ``src`` and ``dst`` as 1-D integer tensors on the pool's device, of one length, sharing no
+    byte with the pool tensors the copy writes. ``check`` (a synchronisation): sequences of ints or integer tensors
+    (returned int64), every value a real slot of the pool's convention (the vLLM null slot 0 neither read nor
+    written), ``dst`` distinct; ``src`` may repeat and may name slots of ``dst`` (every read happens before any
+    write). Without ``check``: metadata only (int32 or int64, 1-D, contiguous, on the pool's device)."""
+    s = check_slots(pool, src, "src", check=check)
+    d = check_slots(pool, dst, "dst", distinct=check, check=check)
+    if s.numel() != d.numel():
+        raise ValueError(f"src and dst must name as many slots: got {s.numel()} and {d.numel()}")
+    written = tuple(sp for sp in pool.tensor_spans() if sp[0] != "pool.q0")
+    why = "copy_slots writes the pool while it reads them"
+    check_apart(s, "src", written, why)
+    check_apart(d, "dst", written, why)
+    if check and pool.first_slot and s.numel():
+        for name, t in (("src", s), ("dst", d)):
+            if bool((t == 0).any()):
+                raise ValueError(f"{name} names slot 0, the null slot of the vllm convention (its padding rows' slot): "
+                                 f"a copy neither reads nor writes it")
+    return s, d
+
+
 def check_finite(t: torch.Tensor, name: str, bound: float | None = STATE_MAX) -> None:
     """``t`` finite with ``max|t| <= bound`` (``None``: finite only; a synchronisation)."""
     if not t.numel():

@@ -210,13 +210,27 @@ def ring_empty(w, pcum, gate: str):
     """``[...]`` bool: the ring holds nothing since its last flush, i.e. it is in the state a flush's ring reset leaves
     (SPEC §2): every weight ``w [..., L]`` zero and the checkpoint's scale the identity (KDA ``pcum [..., K]`` all 0,
     GDN ``pcum[..., 0] == 1``). The rebuilt state of such a ring is its checkpoint exactly, so a flush skips it
-    (idempotence; ``gbuf`` and the entries' keys and values are void under zero weights). NaN is never empty."""
+    (idempotence; ``gbuf`` and the entries' keys and values are void under zero weights). NaN is never empty. For a
+    partially filled ring pass the weights of :func:`ring_in_use`: only the entries in use count."""
     empty = (w == 0).all(-1)
     if gate == "kda":
         return empty & (pcum == 0).all(-1)
     return empty & (pcum[..., 0] == 1)
 
 
+def ring_in_use(kbuf, ubuf, w, gbuf, used) -> dict:
+    """The ring with only its first ``used [...]`` entries (SPEC §3 step 3: a forced flush of a partially filled
+    ring, SPEC §2): entries ``i >= used`` get zero keys, values and weights and unit decay factors, whatever they hold
+    (NaN included), so they add nothing and decay nothing; ``used = L`` leaves the ring as it is. Returns ``kbuf``,
+    ``ubuf``, ``w`` and ``gbuf`` (None for GDN) shaped as given."""
+    L = w.shape[-1]
+    live = torch.arange(L, device=w.device) < used.to(w.device)[..., None]  # [..., L]
+    out = dict(kbuf=torch.where(live[..., None], kbuf, torch.zeros_like(kbuf)),
+               ubuf=torch.where(live[..., None], ubuf, torch.zeros_like(ubuf)),
+               w=torch.where(live, w, torch.zeros_like(w)), gbuf=None)
+    if gbuf is not None:
+        out["gbuf"] = torch.where(live[..., None], gbuf, torch.ones_like(gbuf))
+    return out
 
 
 def empty_ring(w, pcum, gbuf, gate: str) -> dict:

@@ -2,8 +2,8 @@
 of its own, so that every other module can import it.
 
 Region of (slot n, head h): fp32 word ``base + n * slot_stride + h * head_stride``, in either layout:
-``"engine"`` (the default, the seed's: ``head_stride = V * K``, the room of an fp32 state, and one spare head per
-slot) or ``"compact"`` (``head_stride`` = the checkpoint rounded up to 128 bytes, no spare head). By byte offset
+``"compact"`` (the default: ``head_stride`` = the checkpoint rounded up to 128 bytes, no spare head) or ``"engine"``
+(the seed's: ``head_stride = V * K``, the room of an fp32 state, and one spare head per slot). By byte offset
 inside a region, in both
 
     [0, V*K)                      int8 codes, row-major [V, K]
@@ -39,7 +39,7 @@ class Geometry:
     ring: int
     rank: int
     gate: Gate
-    layout: Layout = "engine"
+    layout: Layout = "compact"
 
     @property
     def head_stride(self) -> int:

@@ -7,10 +7,10 @@ Per (sequence, head), at head dims K, V, ring L, rank R:
 * the **ring** (both layouts): ``kbuf`` 2 L K, ``ubuf`` 2 L V, ``w`` 4 L, ``pcum`` 4 K (KDA) or 4 (GDN), ``gbuf`` 2 L K
   (KDA only), ``hcnt`` 4;
 * the **checkpoint**: ``V K`` codes + ``4 K`` s_k + ``4 V`` s_v + ``2 R (K + V)`` factors;
-* **LeapQuant, engine layout** (SPEC §2, the default ``Pool``): a region of ``4 V K`` per head plus one spare
-  region per slot, ``(HV + 1) 4 V K`` per sequence, plus the rings;
-* **LeapQuant, compact layout** (SPEC §2, ``Pool(..., layout="compact")``): the checkpoint rounded up to a multiple
-  of 128 bytes per head, plus the rings.
+* **LeapQuant, engine layout** (SPEC §2, ``Pool(..., layout="engine")``): a region of ``4 V K`` per head plus one
+  spare region per slot, ``(HV + 1) 4 V K`` per sequence, plus the rings;
+* **LeapQuant, compact layout** (SPEC §2, the default ``Pool``): the checkpoint rounded up to a multiple of 128 bytes
+  per head, plus the rings.
 
 The pool's fixed prefix (``OFF`` words, 48 KiB per pool) is not per sequence and is left out.
 """

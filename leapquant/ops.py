@@ -23,13 +23,13 @@ from .pool import Pool
 from .registry import launch, resolve
 
 BackendName = Literal["auto", "reference", "triton", "tilelang"] | str
-Op = Literal["flush", "step", "states"]
+Op = Literal["flush", "force_flush", "step", "states"]
 
 
 def select(pool: Pool, backend: BackendName = "auto", op: Op = "flush") -> Backend:
-    """The backend that ``flush`` (``op="flush"``), ``step`` (``"step"``) or ``Pool.load_states`` / ``Pool.states``
-    (``"states"``) would use on ``pool`` with ``backend=backend`` (``"auto"``: the fastest that supports the pool and
-    implements the operation).
+    """The backend that ``flush`` (``op="flush"``; ``"force_flush"``: ``flush(..., force=True)``), ``step``
+    (``"step"``) or ``Pool.load_states`` / ``Pool.states`` (``"states"``) would use on ``pool`` with
+    ``backend=backend`` (``"auto"``: the fastest that supports the pool and implements the operation).
 
     Raises:
         TypeError: ``pool`` is not a Pool or ``backend`` not a string.
@@ -45,12 +45,13 @@ def check_pool_type(pool) -> None:
         raise TypeError(f"pool must be a leapquant.Pool, got {type(pool).__name__}")
 
 
-def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: bool = True) -> None:
+def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: bool = True, *,
+          force: bool = False) -> None:
     """Flush every due (slot, head) of ``idx`` in place (SPEC §2 due rule, SPEC §3 math).
 
     Args:
         pool: the slot pool; its checkpoints, ``w``, ``pcum`` and ``gbuf`` are updated in place for due programs
-            (``hcnt`` stays at ``L``). Nothing else is written.
+            (``hcnt`` stays at ``L``; with ``force`` it is set to ``L``). Nothing else is written.
         idx: int32 ``[N]`` on the pool's device, the slot of each batch row. Under the vLLM convention 0 pads; under
             SGLang's -1 pads. A program ``(n, h)`` is due iff ``idx[n]`` is a real slot and ``hcnt[idx[n], h] == L``.
         backend: ``"auto"`` (the fastest backend that supports this pool here), ``"reference"`` (fp32 torch, any
@@ -61,6 +62,11 @@ def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: b
             capture: then only metadata is checked (no synchronisation), out-of-range entries are skipped, never
             written, and a slot named twice is flushed once. Under ``torch.compile`` the value checks run inside the
             op, at run time.
+        force: flush every ring of ``idx`` that holds an entry (``1 <= hcnt <= L``: partially filled rings too), not
+            only the full ones (SPEC §2, "Forced flush"): afterwards each named (slot, head)'s ring is empty and its
+            checkpoint holds its whole state, so the checkpoint alone is a snapshot (prefix caching). A flushed
+            program's ``hcnt`` becomes ``L`` ("flushed, next entry 0"). Backends: reference and Triton
+            (``select(pool, backend, op="force_flush")``).
 
     Whatever ``check``, the pool's and ``idx``'s metadata is checked (dtypes, shapes, strides, devices, storage
     sizes; the pool's only after one of its attributes was assigned), each (slot, head) is flushed at most once, and
@@ -69,17 +75,28 @@ def flush(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto", check: b
     Raises:
         TypeError, ValueError: a wrong type, dtype, shape, device or stride of ``pool``'s tensors or of ``idx``; with
             ``check=True`` also an ``idx`` value out of range, a slot named twice, or a non-finite ``q0``.
-        leapquant.BackendError: unknown backend, or one that cannot run here (the message says why).
+        leapquant.BackendError: unknown backend, or one that cannot run here (the message says why; with ``force``
+            also one that flushes full rings only, such as TileLang).
     """
     check_pool_type(pool)
     check_idx_layout(pool, idx)
     if torch.compiler.is_compiling():
         # the op resolves the name and checks the pool when it runs (the choice reads entry points and device
         # properties, the checks tensors' storage and values: not traceable)
-        torch.ops.leapquant.flush(*op_args(pool, idx, backend), check=bool(check), layout=pool.layout)
+        torch.ops.leapquant.flush(*op_args(pool, idx, backend), check=bool(check), layout=pool.layout,
+                                  force=bool(force))
         return
     _check_call(pool, idx, check)
-    launch(pool, resolve(backend, pool, "flush").flush, idx)
+    _launch_flush(pool, idx, backend, bool(force))
+
+
+def _launch_flush(pool: Pool, idx: torch.Tensor, backend: BackendName, force: bool) -> None:
+    """The backend's flush; ``force`` goes to it only when set, so that a backend's ``flush(pool, idx)`` written
+    before there was a forced flush keeps working (it is never chosen for one: :attr:`Backend.partial_rings`)."""
+    if force:
+        launch(pool, resolve(backend, pool, "force_flush").flush, idx, True)
+    else:
+        launch(pool, resolve(backend, pool, "flush").flush, idx)
 
 
 def _check_call(pool: Pool, idx: torch.Tensor, check: bool) -> None:
@@ -159,8 +176,8 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def op_args(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto") -> tuple:
     """The positional arguments of ``torch.ops.leapquant.flush`` for ``flush(pool, idx, backend)``: the pool's tensors,
-    ``idx``, its geometry and the backend's name; the layout goes as the keyword ``layout`` (its default, "engine",
-    keeps the op's positional form what it was before there were two layouts)."""
+    ``idx``, its geometry and the backend's name; the layout goes as the keyword ``layout`` (default "compact", the
+    pool's)."""
     g = pool.geometry
     return (pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt, pool.q0, idx,
             g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters, backend)
@@ -174,8 +191,8 @@ _POOL_PARAMS = (("raw", "Tensor"), ("kbuf", "Tensor"), ("ubuf", "Tensor"), ("w",
                 ("gate", "str"), ("convention", "str"), ("iters", "SymInt"))
 _STEP_PARAMS = (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("g", "Tensor"), ("beta", "Tensor"),
                 ("out", "Tensor"), ("scale", "float"), ("use_qk_l2norm", "bool"))
-# the layout last, with the default it had before there were two: the op's positional form is unchanged
-_TAIL_PARAMS = (("backend", "str"), ("check", "bool", False), ("layout", "str", "engine"))
+# the layout last, a keyword whose default is the pool's default layout (flush and step always pass it)
+_TAIL_PARAMS = (("backend", "str"), ("check", "bool", False), ("layout", "str", "compact"))
 
 
 def _custom_op(name: str, params: tuple, mutated: tuple[str, ...], body):
@@ -206,9 +223,11 @@ def _custom_op(name: str, params: tuple, mutated: tuple[str, ...], body):
     return op
 
 
+# force last, after the layout: the op's positional form is unchanged; hcnt is written by a forced flush
 _flush_op = _custom_op(
-    "flush", _POOL_PARAMS + _TAIL_PARAMS, ("raw", "kbuf", "ubuf", "w", "pcum", "gbuf"),
-    lambda pool, a: launch(pool, resolve(a["backend"], pool, "flush").flush, a["idx"]))
+    "flush", _POOL_PARAMS + _TAIL_PARAMS + (("force", "bool", False),),
+    ("raw", "kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt"),
+    lambda pool, a: _launch_flush(pool, a["idx"], a["backend"], a["force"]))
 
 
 def _run_step_op(pool: Pool, a: dict) -> None:

@@ -163,7 +163,8 @@ def untouched_failures(pool: Pool, before: dict[str, torch.Tensor], slots: torch
     """What a flush of the programs ``(slots[i], heads[i])`` did that SPEC §2 forbids, given the pool's
     :func:`snapshot` from before it: any byte changed outside those programs' checkpoints and ring rows (bit for bit),
     ``kbuf``, ``ubuf`` or ``hcnt`` changed at all, or a due program's ring not reset. Empty when all is well.
-    ``hcnt``: the value a load of states (SPEC §5) sets for its programs, whose ``hcnt`` alone may then change."""
+    ``hcnt``: the value the call sets for its programs' ``hcnt`` (a load of states, SPEC §5: 0; a forced flush,
+    SPEC §2: L), whose ``hcnt`` alone may then change."""
     slots, heads = slots.long().cpu(), heads.long().cpu()
     out = []
     may = pool.checkpoint_mask(slots, heads).cpu()
@@ -180,9 +181,9 @@ def untouched_failures(pool: Pool, before: dict[str, torch.Tensor], slots: torch
         t = pool.hcnt.detach().cpu()
         b = before["hcnt"].view(t.dtype).view(t.shape)
         if not torch.equal(b[~rows], t[~rows]):
-            out.append("hcnt of a program not loaded changed")
+            out.append("hcnt of a program the call does not write changed")
         if not bool((t[rows] == hcnt).all()):
-            out.append(f"hcnt of a loaded program not set to {hcnt}")
+            out.append(f"hcnt of a program the call writes not set to {hcnt}")
     resets = {"w": 0.0, "pcum": 0.0 if pool.gate == "kda" else 1.0}
     if pool.gbuf is not None:
         resets["gbuf"] = 1.0
@@ -197,20 +198,26 @@ def untouched_failures(pool: Pool, before: dict[str, torch.Tensor], slots: torch
 
 
 def measure(pool: Pool, idx: torch.Tensor, backend: str, check: bool = True,
-            flush_fn: Optional[Callable[[Pool, torch.Tensor], None]] = None) -> Parity:
+            flush_fn: Optional[Callable[[Pool, torch.Tensor], None]] = None, force: bool = False) -> Parity:
     """Flush ``pool`` in place with ``backend`` (or by calling ``flush_fn(pool, idx)``, for a backend's own entry
-    points) and judge every due program against the reference, and every other byte (SPEC §4)."""
-    due = pool.due(idx)  # [N, HV]
+    points) and judge every due program against the reference, and every other byte (SPEC §4). ``force``: the forced
+    flush (SPEC §2), every ring with an entry due, judged on its entries in use, its ``hcnt`` set to L (a program
+    whose ring is empty is left as it is, so its ``hcnt`` counts as a failure here: give it none)."""
+    due = pool.due(idx, force=force)  # [N, HV]
     safe = torch.where(due.any(1), idx.long(), torch.zeros_like(idx, dtype=torch.long))
     before = {k: (v.clone() if v is not None else None) for k, v in pool.checkpoint(safe).items()}
+    if force:
+        before.update(ref.ring_in_use(before["kbuf"], before["ubuf"], before["w"], before["gbuf"],
+                                      pool.hcnt[safe.to(pool.device)]))
     whole = snapshot(pool)
     ptr = pool.raw.data_ptr()
     if flush_fn is None:
-        flush(pool, idx, backend=backend, check=check)
+        flush(pool, idx, backend=backend, check=check, force=force)
     else:
         flush_fn(pool, idx)
     rows, heads = due.nonzero(as_tuple=True)
-    untouched = untouched_failures(pool, whole, idx.long()[rows.to(idx.device)], heads)
+    untouched = untouched_failures(pool, whole, idx.long()[rows.to(idx.device)], heads,
+                                   hcnt=pool.ring if force else None)
     if pool.raw.data_ptr() != ptr:
         untouched.append("the flush did not work in place")
     after = pool.checkpoint(safe)

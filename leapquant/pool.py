@@ -15,7 +15,8 @@ from typing import Sequence
 import torch
 
 from . import formulas
-from .checks import (POOL_BASE, check_append, check_device, check_geometry, check_in_storage, check_iters,
+from .checks import (POOL_BASE, check_append, check_copy_slots, check_device, check_geometry, check_in_storage,
+                     check_iters,
                      check_load_apart, check_pool, check_pool_tensors, check_slots, check_state_tensor,
                      check_state_values, check_states_out, check_states_out_apart, spans, state_shape)
 from .constants import BASE_WORDS, EPS
@@ -27,8 +28,8 @@ from .registry import launch, resolve
 def _restore(tensors: dict, geometry: dict, convention: str, iters: int) -> "Pool":
     """What a pickled :class:`Pool` is rebuilt by: the views of ``raw`` made afresh over the loaded tensors (checked
     by :meth:`Pool.from_tensors`, like any other tensors). ``geometry`` carries the layout (a pickle written before
-    there were two has none: the engine layout)."""
-    return Pool.from_tensors(**tensors, **geometry, convention=convention, iters=iters)
+    there were two has none: the engine layout, then the only one)."""
+    return Pool.from_tensors(**tensors, **{"layout": "engine", **geometry}, convention=convention, iters=iters)
 
 
 # torch.load's default weights_only=True may rebuild a pool: _restore takes only tensors, ints and strings, and checks
@@ -55,6 +56,12 @@ def _device_memory(device: torch.device) -> int | None:
     except (AttributeError, ValueError, OSError, RuntimeError):
         pass
     return None
+
+
+def _without_sync(pool: "Pool") -> bool:
+    """Whether the pool's own torch operations (:meth:`Pool.copy_slots`) must run without host synchronisation: on
+    CUDA, where ``check=False`` promises it (CUDA graphs); on the CPU a host read costs nothing."""
+    return pool.device.type != "cpu"
 
 
 def start_matrix(head_v: int, rank: int) -> torch.Tensor:
@@ -95,9 +102,10 @@ class Pool:
         q0: the start matrix ``[V, R]`` fp32; default :func:`start_matrix`.
         iters: ITERS, rounds of subspace iteration per flush (1 is the seed's; 2 buys accuracy on slowly decaying
             spectra at twice the products).
-        layout: how ``raw`` holds the checkpoints (SPEC §2): ``"engine"`` (the seed's, an fp32 state's room per
-            head and a spare head per slot) or ``"compact"`` (each checkpoint rounded up to 128 bytes, back to back:
-            about 3.4x less at the defaults). The TileLang backend takes the engine layout only.
+        layout: how ``raw`` holds the checkpoints (SPEC §2): ``"compact"`` (the default: each checkpoint rounded up
+            to 128 bytes, back to back) or ``"engine"`` (the seed's, an fp32 state's room per head and a spare head per
+            slot: about 3.5x more ``raw`` at the defaults, for engines and kernels that address it). Every backend
+            takes both.
 
     A new pool holds zero states with empty rings: codes 0, ``s_k = s_v = EPS``, factors 0, ``w = 0``,
     ``gbuf = 1``, ``pcum = 0`` (GDN: 1), ``hcnt = 0``.
@@ -116,7 +124,7 @@ class Pool:
         device: torch.device | str = "cpu",
         q0: torch.Tensor | None = None,
         iters: int = 1,
-        layout: Layout = "engine",
+        layout: Layout = "compact",
     ):
         geo = Geometry(num_slots, heads, head_k, head_v, ring, rank, gate, layout)
         check_geometry(geo, convention)
@@ -155,7 +163,7 @@ class Pool:
 
     @classmethod
     def from_tensors(cls, raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0, *, num_slots, heads, head_k, head_v, ring, rank,
-                     gate, convention="vllm", iters=1, layout="engine") -> "Pool":
+                     gate, convention="vllm", iters=1, layout="compact") -> "Pool":
         """A pool over existing tensors (no copy): how the custom op and unpickling rebuild one. Views of ``raw`` are
         made afresh, in ``layout``; ``raw`` must hold exactly that layout's words (``Geometry.raw_words``). Every
         tensor's metadata is checked first (no synchronisation): a wrong dtype, shape, device, stride, alignment, a
@@ -293,6 +301,67 @@ class Pool:
         if s.numel():
             launch(self, b.load_states, s, S, bool(state_v_first))
 
+    def copy_slots(self, src, dst, *, check: bool = True) -> None:
+        """Copy slot ``src[i]`` into slot ``dst[i]`` for every ``i`` (SPEC §5.3): every head's checkpoint (its
+        ``checkpoint_bytes`` in ``raw``), ring (``kbuf``, ``ubuf``, ``w``, ``gbuf``), ``pcum`` and ``hcnt``, bit for
+        bit. Prefix caching: a sequence's state at a block boundary copied into a cache slot, or a cached one into a
+        new sequence's slot (after :func:`leapquant.flush` with ``force=True`` the checkpoint alone is the state).
+
+        Every value is read before any is written, so ``src`` may repeat (one prefix into several slots) and may name
+        slots of ``dst`` (a permutation of slots moves them). Nothing else is written: not the rest of an engine
+        layout's region or its spare head, not ``q0``, no other slot.
+
+        Args:
+            src, dst: ``[n]`` slots. With ``check=True`` (one host read: a synchronisation) sequences of ints or integer
+                tensors, every value a real slot (the vLLM convention's null slot 0 refused in both), ``dst``
+                distinct, the same length; a ValueError or TypeError names the argument, before anything is written.
+                With ``check=False``: int32 or int64 tensors, 1-D, contiguous, on the pool's device, of one length
+                (metadata only, no synchronisation: graph-capturable); a pair whose ``src`` or ``dst`` is not a real
+                slot is skipped (nothing written for it), and a ``dst`` named twice gets one of its copies.
+        """
+        self.check_layout(force=check)
+        s, d = check_copy_slots(self, src, dst, check)
+        if s.numel() == 0:
+            return
+        s, d = s.long(), d.long()
+        ok = self._real(s) & self._real(d)
+        if not _without_sync(self):
+            # a host read costs nothing here: copy exactly the valid pairs, so no other byte is even rewritten
+            rows = ok.nonzero().reshape(-1)
+            s, d = s[rows], d[rows]
+            if s.numel() == 0:
+                return
+        else:
+            # without a synchronisation: a skipped pair copies the first valid pair again (the same bytes to the
+            # same slot), or with none slot 0 onto itself, so that the launches do not depend on the values
+            first = torch.argmax(ok.to(torch.int32)).view(1)  # indexed as a tensor: a 0-d index would be read
+            some = ok.any()
+            zero = torch.zeros_like(s)
+            s = torch.where(ok, s, torch.where(some, s.index_select(0, first), zero))
+            d = torch.where(ok, d, torch.where(some, d.index_select(0, first), zero))
+        # gather every tensor's rows into temporaries before the first write: a permutation reads only old values
+        parts = [(t, t.index_select(0, s)) for t in self._slot_rows()]
+        for t, rows in parts:
+            t.index_copy_(0, d, rows)
+
+    def _real(self, slots: torch.Tensor) -> torch.Tensor:
+        """bool per entry of ``slots``: a real slot of the pool's convention (SPEC §2), on the device."""
+        return (slots >= self.first_slot) & (slots < self.num_slots)
+
+    def _slot_rows(self) -> list[torch.Tensor]:
+        """What a slot holds, each as an integer view with the slot as its first dimension (bits copied as they are,
+        NaN payloads included): the checkpoints, ``[NS, HV, checkpoint_bytes / 4]`` words of ``raw`` at the
+        layout's strides, and the ring tensors, ``pcum`` and ``hcnt``."""
+        g = self.geometry
+        words = self.raw.view(torch.int32)
+        ckpt = words.as_strided((g.num_slots, g.heads, g.checkpoint_bytes // 4), (g.slot_stride, g.head_stride, 1),
+                                words.storage_offset() + BASE_WORDS)
+        ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+                torch.int32: torch.int32}
+        rows = [ckpt] + [t.view(ints[t.dtype]) for t in (self.kbuf, self.ubuf, self.w, self.pcum, self.gbuf, self.hcnt)
+                         if t is not None]
+        return rows
+
     def append(self, slots, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
         """One token per slot into the ring (SPEC §6 steps 1-4): the decode step's ring update, in plain torch.
 
@@ -327,9 +396,12 @@ class Pool:
         mask[(starts[:, None] + span[None, :]).reshape(-1)] = True
         return mask
 
-    def due(self, idx: torch.Tensor) -> torch.Tensor:
-        """``[N, HV]`` bool: which programs a flush over ``idx`` would take (SPEC §2 due rule)."""
+    def due(self, idx: torch.Tensor, force: bool = False) -> torch.Tensor:
+        """``[N, HV]`` bool: which programs a flush over ``idx`` would take (SPEC §2 due rule: ``hcnt == L``; with
+        ``force``, as ``flush(..., force=True)``, ``1 <= hcnt <= L``). A due program whose ring is empty is taken
+        and left as it is."""
         idx = idx.to(self.device).long()
         real = (idx >= self.first_slot) & (idx < self.num_slots)
         safe = torch.where(real, idx, torch.zeros_like(idx))
-        return real[:, None] & (self.hcnt[safe] == self.ring)
+        h = self.hcnt[safe]
+        return real[:, None] & (((h >= 1) & (h <= self.ring)) if force else h == self.ring)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .backends import Backend, Requirements
-from .formulas import compress, empty_ring, rebuild, ring_empty, step_rows
+from .formulas import compress, empty_ring, rebuild, ring_empty, ring_in_use, step_rows
 
 if TYPE_CHECKING:
     from .pool import Pool
@@ -43,6 +43,12 @@ def _pairs(pool: "Pool", s: torch.Tensor, h: torch.Tensor) -> dict[str, torch.Te
     out = {n: getattr(pool, n)[s, h] for n in names}
     out["gbuf"] = pool.gbuf[s, h] if pool.gbuf is not None else None
     return out
+
+
+def _due(hcnt: torch.Tensor, L: int, force: bool) -> torch.Tensor:
+    """SPEC §2's due rule on fill counts: a full ring (``hcnt == L``), or with ``force`` any ring with an entry
+    (``1 <= hcnt <= L``)."""
+    return (hcnt >= 1) & (hcnt <= L) if force else hcnt == L
 
 
 def _flushed(pool: "Pool", c: dict) -> dict[str, torch.Tensor]:
@@ -83,30 +89,43 @@ class ReferenceBackend(Backend):
     priority = 0
     description = "fp32 torch reference (SPEC §3), any device and shape; the definition of correct, not fast"
     requirements = Requirements(devices=("cpu", "cuda"), head_dims=None, rings=None, ranks=None, heads=None)
+    partial_rings = True
 
-    def flush(self, pool: "Pool", idx: torch.Tensor) -> None:
+    def flush(self, pool: "Pool", idx: torch.Tensor, force: bool = False) -> None:
         if idx.numel() == 0:
             return
         real, safe, first, src = _rows(pool, idx)
-        # due (SPEC §2), written once per call (the first row naming the slot), not already flushed (SPEC §2,
-        # idempotence)
-        cand = first[:, None] & (pool.hcnt[safe] == pool.ring)  # [N, HV]
+        L = pool.ring
         if not _graph_capturable(pool):
-            n, h = cand.nonzero(as_tuple=True)
+            # due (SPEC §2), written once per call (the first row naming the slot)
+            n, h = (first[:, None] & _due(pool.hcnt[safe], L, force)).nonzero(as_tuple=True)
             s = safe[n]
-            keep = ~ring_empty(pool.w[s, h], pool.pcum[s, h], pool.gate)
-            s, h = s[keep], h[keep]
-            if s.numel() == 0:
+            c = _pairs(pool, s, h)
+            if force:
+                c.update(ring_in_use(c["kbuf"], c["ubuf"], c["w"], c["gbuf"], pool.hcnt[s, h]))
+            # not already flushed (SPEC §2, idempotence)
+            keep = ~ring_empty(c["w"], c["pcum"], pool.gate)
+            if not bool(keep.any()):
                 return
-            for name, new in _flushed(pool, _pairs(pool, s, h)).items():
+            s, h = s[keep], h[keep]
+            new = _flushed(pool, {k: (v[keep] if v is not None else None) for k, v in c.items()})
+            if force:
+                new["hcnt"] = torch.full_like(s, L, dtype=torch.int32)
+            for name, t in new.items():
                 dst = getattr(pool, name)
-                dst.index_put_((s, h), new.to(dst.dtype))
+                dst.index_put_((s, h), t.to(dst.dtype))
             return
         c = pool.gather(safe)
-        write = cand & ~ring_empty(c["w"], c["pcum"], pool.gate)
-        for name, new in _flushed(pool, c).items():
-            m = write.reshape(write.shape + (1,) * (new.dim() - 2))
-            _put_rows(pool, name, safe, src, torch.where(m, new.to(c[name].dtype), c[name]))
+        c["hcnt"] = pool.hcnt[safe]
+        # the forced flush computes on the entries in use; what it writes back where it does not flush is c's
+        use = dict(c, **ring_in_use(c["kbuf"], c["ubuf"], c["w"], c["gbuf"], c["hcnt"])) if force else c
+        write = first[:, None] & _due(c["hcnt"], L, force) & ~ring_empty(use["w"], use["pcum"], pool.gate)
+        new = _flushed(pool, {k: v for k, v in use.items() if k != "hcnt"})
+        if force:
+            new["hcnt"] = torch.full_like(c["hcnt"], L)
+        for name, t in new.items():
+            m = write.reshape(write.shape + (1,) * (t.dim() - 2))
+            _put_rows(pool, name, safe, src, torch.where(m, t.to(c[name].dtype), c[name]))
 
     def step(self, pool: "Pool", idx: torch.Tensor, q, k, v, g, beta, scale: float, use_qk_l2norm: bool,
              out: torch.Tensor) -> None:

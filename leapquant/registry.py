@@ -90,13 +90,17 @@ def backends() -> list[BackendInfo]:
     return sorted(rows, key=lambda r: -r.priority)
 
 
-_VERB = {"flush": "flush", "step": "decode with", "states": "load or rebuild states of"}
+_VERB = {"flush": "flush", "force_flush": "force-flush (partially filled rings included)", "step": "decode with",
+         "states": "load or rebuild states of"}
 
 
 def _fits(b: Backend, pool: "Pool", op: str) -> tuple[bool, str]:
     ok, why = b.supports(pool)
     if ok and not b.implements(op):
-        ok, why = False, {"step": "it has no decode step", "states": "it has no load_states / states"}[op]
+        ok, why = False, {"flush": "it has no flush", "step": "it has no decode step",
+                          "states": "it has no load_states / states",
+                          "force_flush": "it flushes full rings only (no flush(..., force=True)); the reference and "
+                                         "Triton backends flush partially filled rings"}[op]
     return ok, why
 
 
@@ -130,7 +134,8 @@ _CHOSEN: dict[tuple, Backend] = {}
 
 
 def resolve(name: str, pool: "Pool", op: str = "flush") -> Backend:
-    """The backend that runs ``op`` (``"flush"``, ``"step"`` or ``"states"``: :data:`leapquant.backends.OPS`) on
+    """The backend that runs ``op`` (``"flush"``, ``"force_flush"``, ``"step"`` or ``"states"``:
+    :data:`leapquant.backends.OPS`) on
     ``pool``: ``name`` itself, or for ``"auto"`` the highest-priority backend that supports the pool and implements
     ``op``. Raises :class:`BackendError` saying why none can. Remembered per name, operation and pool specialisation
     until the next :func:`register`."""

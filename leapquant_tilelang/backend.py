@@ -1,8 +1,10 @@
 """The ``"tilelang"`` backend: the seed's warp-specialised kernel (``kernel.py``) driving a :class:`leapquant.Pool`.
 
-Limits (the kernel is written for them): the engine layout (SPEC §2), 32 heads per slot, ``head_k = head_v = 128``,
+Limits (the kernel is written for them): either layout (SPEC §2), 32 heads per slot, ``head_k = head_v = 128``,
 ring 16, rank 1..4, sm_90 or sm_100, at most :data:`~leapquant_tilelang.kernel.DUE_LIST_MAX` due-list entries per CTA
-(about 8,400 slots on 132 SMs). Anything else is refused by :meth:`TileLangBackend.supports` with the reason.
+(about 8,400 slots on 132 SMs). Anything else is refused by :meth:`TileLangBackend.supports` with the reason. It
+flushes full rings only: ``flush(..., force=True)`` (partially filled rings, SPEC §2) is refused by the registry
+(``partial_rings`` is False), since its kernel stages and sums all L ring entries by construction.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ class TileLangBackend(Backend):
         head_dims=((128, 128),),
         rings=(16,),
         ranks=(1, 2, 3, 4),
-        # its slot and head strides are built into its TMA descriptors and staging (docs/DESIGN.md, "Compact layout")
-        layouts=("engine",),
+        # both: the layout's slot and head strides go into its TMA descriptors and direct stores, nothing else
+        # changes (docs/DESIGN.md, "Compact layout")
+        layouts=("engine", "compact"),
         # the seed's domain (SPEC §4): the state is staged fp16 in shared memory, which overflows above it and flushes
         # to zero below it (docs/DESIGN.md, "TileLang: what the port changed")
         magnitude=(2.0**-10, 2.0**14),
@@ -82,7 +85,7 @@ class TileLangBackend(Backend):
         g = pool.geometry
         # flush_kernel's positional arguments, task config then the SM count
         key = (g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.first_slot, pool.iters,
-               self._sm_count(pool.device))
+               g.layout, self._sm_count(pool.device))
         kern = self._kernels.get(key)
         if kern is None:
             with torch.cuda.device(pool.device):

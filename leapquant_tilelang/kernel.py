@@ -70,6 +70,7 @@ from tvm.ir import PrimExpr
 from tvm.script.ir_builder import IRBuilder
 
 from leapquant.constants import EPS, FLOOR, PNMIN, QMAX, ROUND_MAGIC, TINY
+from leapquant.geometry import LAYOUTS, Geometry
 
 F32, F16, BF16, I32 = "float32", "float16", "bfloat16", "int32"
 
@@ -259,7 +260,7 @@ def inv_pivot(d, gii):
 def flush_kernel(
     # task config
     num_slots: int, heads: int = 32, head_k: int = 128, head_v: int = 128, ring: int = 16, rank: int = 4,
-    gate: str = "kda", first_slot: int = 1, iters: int = 1,
+    gate: str = "kda", first_slot: int = 1, iters: int = 1, layout: str = "engine",
     # kernel config
     sms: int = 132,
     groups: int = 3,
@@ -268,8 +269,9 @@ def flush_kernel(
 
     Task config: the pool geometry (only ``heads = 32``, ``head_k = head_v = 128``, ``ring = 16``, ``rank`` 1..4 are
     implemented), ``gate`` ``"kda"`` or ``"gdn"``, ``first_slot`` the smallest real slot (1: vLLM, slot 0 is the null
-    slot; 0: SGLang, -1 pads), ``iters`` rounds of the subspace iteration. Kernel config: ``sms`` persistent CTAs,
-    ``groups`` consumer groups per CTA (3 is what fits 227 KB).
+    slot; 0: SGLang, -1 pads), ``iters`` rounds of the subspace iteration, ``layout`` the pool's (SPEC §2:
+    ``"engine"`` or ``"compact"``; only the checkpoint views' slot and head strides depend on it). Kernel config:
+    ``sms`` persistent CTAs, ``groups`` consumer groups per CTA (3 is what fits 227 KB).
 
     The returned kernel takes ``(codes32, s_k, s_v, s_kv, kbuf, ubuf, w, pcum, gbuf, hcnt, uq, q0, idx)``: the
     pool's views (``gbuf`` reinterpreted as bf16 for TMA; a ``[1, 1, 1, 1]`` placeholder for GDN), ``q0 [V, R]`` fp32
@@ -287,8 +289,12 @@ def flush_kernel(
         raise ValueError(f"implemented for heads=32, head_k=head_v=128, ring=16, rank 1..4; got {(HV, K, V, L, R)}")
     if first_slot not in (0, 1):
         raise ValueError(f"first_slot must be 0 or 1, got {first_slot}")
-    SS = (HV + 1) * V * K  # slot stride in fp32 words: one spare head per slot
-    VK = V * K
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    # the checkpoint region strides of the layout, in fp32 words (engine: V K per head and a spare head per slot;
+    # compact: the checkpoint rounded up to 128 B, no spare head): the only place the layout enters the kernel
+    geo = Geometry(NS, HV, K, V, L, R, gate, layout)
+    SS, HS = geo.slot_stride, geo.head_stride
     KW = K // 4  # int8 codes packed four to an int32 word
     NCONS = GROUP_THREADS * NCG
     NT = PRODUCER_THREADS + NCONS
@@ -1078,10 +1084,10 @@ def flush_kernel(
 
     @T.prim_func
     def flush(
-        codes: T.StridedTensor((NS, HV, V, KW), (SS, VK, KW, 1), I32),
-        s_k: T.StridedTensor((NS, HV, K), (SS, VK, 1), F32),
-        s_v: T.StridedTensor((NS, HV, V), (SS, VK, 1), F32),
-        s_kv: T.StridedTensor((NS, HV, K + V), (SS, VK, 1), F32),
+        codes: T.StridedTensor((NS, HV, V, KW), (SS, HS, KW, 1), I32),
+        s_k: T.StridedTensor((NS, HV, K), (SS, HS, 1), F32),
+        s_v: T.StridedTensor((NS, HV, V), (SS, HS, 1), F32),
+        s_kv: T.StridedTensor((NS, HV, K + V), (SS, HS, 1), F32),
         kbuf: T.Tensor((NS, HV, L, K), BF16),
         ubuf: T.Tensor((NS, HV, L, V), BF16),
         w: T.Tensor((NS, HV, L), F32),
@@ -1089,7 +1095,7 @@ def flush_kernel(
         # fp16 decay factors declared bf16 so that the TMA target (keys_lo_shared) matches; the bits are reinterpreted
         gbuf: T.Tensor((NS, HV, L, K) if KDA else (1, 1, 1, 1), BF16),
         hcnt: T.Tensor((NS, HV), I32),
-        uq: T.StridedTensor((NS, HV, R, K + V), (2 * SS, 2 * VK, K + V, 1), F16),  # U^T | Q^T rows
+        uq: T.StridedTensor((NS, HV, R, K + V), (2 * SS, 2 * HS, K + V, 1), F16),  # U^T | Q^T rows
         q0: T.Tensor((V, R), F32),  # the fixed start of the subspace iteration
         idx: T.Tensor((N,), I32),
     ):

@@ -42,6 +42,7 @@ class TritonBackend(Backend):
         ranks=SUPPORTED_RANKS,
     )
     max_iters = 2
+    partial_rings = True  # flush(..., force=True): the FORCE build of the flush kernels
     not_for_auto = {"cpu": "the interpreter checks the kernel; it is far slower than the reference"}
 
     def available(self) -> tuple[bool, str]:
@@ -72,10 +73,10 @@ class TritonBackend(Backend):
             return False, f"iters={pool.iters} not supported (1..{self.max_iters})"
         return self.requirements.check(pool)
 
-    def flush(self, pool: "Pool", idx: torch.Tensor) -> None:
+    def flush(self, pool: "Pool", idx: torch.Tensor, force: bool = False) -> None:
         from .flush import flush_pool
 
-        flush_pool(pool, idx)
+        flush_pool(pool, idx, force=force)
 
     def step(self, pool: "Pool", idx: torch.Tensor, q, k, v, g, beta, scale: float, use_qk_l2norm: bool,
              out: torch.Tensor) -> None:

@@ -25,10 +25,10 @@ def scratch_words(head_k: int, head_v: int, iters: int) -> int:
     return 6 * head_v + 32 * iters + 4 + head_k
 
 
-def kernel_constants(geometry, first_slot: int, iters: int) -> dict:
+def kernel_constants(geometry, first_slot: int, iters: int, force: bool = False) -> dict:
     """The constexpr arguments of :func:`.flush_kernel.leapquant_flush_kernel` for a pool whose real slots start at
     ``first_slot`` (also what the AOT check compiles), but the schedule's ``LIST``, ``PDL`` and ``AHEAD``, which
-    :func:`flush_pool` adds."""
+    :func:`flush_pool` adds; ``force``: the forced flush's build (``FORCE``)."""
     g = geometry
     return dict(
         FIRST=first_slot,
@@ -42,6 +42,7 @@ def kernel_constants(geometry, first_slot: int, iters: int) -> dict:
         IS_KDA=g.gate == "kda",
         SCR=scratch_words(g.head_k, g.head_v, iters),
         BF16_DOTS=not interpreting(),
+        FORCE=bool(force),
     )
 
 
@@ -86,9 +87,10 @@ class _Plan:
     static arguments prepared once (:meth:`.launcher.Launcher.prepare`), so that an eager flush looks at four of the
     31. Kept per pool memory (:func:`_plan`)."""
 
-    def __init__(self, pool, tensors: tuple, N: int, schedule: str, nw: int, cap: int | None, device: torch.device):
+    def __init__(self, pool, tensors: tuple, N: int, schedule: str, nw: int, cap: int | None, device: torch.device,
+                 force: bool):
         g = pool.geometry
-        consts = kernel_constants(g, pool.first_slot, pool.iters)
+        consts = kernel_constants(g, pool.first_slot, pool.iters, force)
         self.scratch_words = N * g.heads * consts["SCR"]
         pdl = schedule == "list" and _pdl(device)
         ahead = prefetch_ahead(device) if schedule == "list" else 0
@@ -114,15 +116,15 @@ def _pool_tensors(pool) -> tuple:
     return (pool.codes, pool.s_kv, pool.uq, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.q0, pool.hcnt)
 
 
-def _plan(pool, N: int, schedule: str, nw: int, cap: int | None, device: torch.device) -> _Plan:
+def _plan(pool, N: int, schedule: str, nw: int, cap: int | None, device: torch.device, force: bool = False) -> _Plan:
     """The pool's plan for ``N`` rows and this build (:func:`.launcher.per_pool`)."""
     tensors = _pool_tensors(pool)
-    key = ("flush", pool.geometry, pool.first_slot, pool.iters, N, schedule, nw, cap, device)
-    return per_pool(pool.raw, key, tensors, lambda: _Plan(pool, tensors, N, schedule, nw, cap, device))
+    key = ("flush", pool.geometry, pool.first_slot, pool.iters, N, schedule, nw, cap, device, force)
+    return per_pool(pool.raw, key, tensors, lambda: _Plan(pool, tensors, N, schedule, nw, cap, device, force))
 
 
 def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: int | None = None,
-               schedule: str | None = None) -> None:
+               schedule: str | None = None, force: bool = False) -> None:
     """Launch the flush over ``idx`` (int32 ``[N]``) on ``pool`` in place, with no host synchronisation and the same
     launches for the same pool and ``N``.
 
@@ -130,16 +132,20 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
     ``idx`` and ``hcnt``. ``"list"``: :func:`.flush_kernel.due_list_kernel` lists the due pairs first, and program p
     of the flush takes pair p: the due programs are launched first, the others return after one load. The default is
     :func:`schedule_for`; ``schedule``, ``num_warps`` and ``maxnreg`` override the tuned defaults (for experiments;
-    ``maxnreg=0`` lifts the cap)."""
+    ``maxnreg=0`` lifts the cap). ``force``: the forced flush (SPEC §2), partially filled rings too, their ``hcnt``
+    set to L: the grid schedule built with ``FORCE``, whatever ``N`` (nearly every named ring holds an entry, and all
+    due is where the grid beats the list; docs/DESIGN.md, "Forced flush")."""
     g = pool.geometry
     N = idx.numel()
     if N == 0:
         return
-    schedule = schedule or schedule_for(N, g.heads)
+    schedule = schedule or ("grid" if force else schedule_for(N, g.heads))
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
+    if force and schedule != "grid":
+        raise ValueError("the forced flush takes the grid schedule only")
     nw, cap = warps_and_cap(g.head_k, g.head_v, num_warps, maxnreg)
-    plan = _plan(pool, N, schedule, nw, cap, idx.device)
+    plan = _plan(pool, N, schedule, nw, cap, idx.device, bool(force))
     # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch their own
     # words
     scratch = torch.empty(plan.scratch_words, dtype=torch.float32, device=idx.device)

@@ -60,13 +60,13 @@ def _named_before(idx, i_n, i_s):
 
 
 @triton.jit
-def _ring_has_entries(p_w, p_pc, K: tl.constexpr, L: tl.constexpr, BL: tl.constexpr, IS_KDA: tl.constexpr):
-    """Whether the pair's ring holds anything since its last flush: not every ``w`` zero, or the checkpoint's scale
-    not the identity (KDA ``pcum`` not all 0, GDN ``pcum != 1``). A ring in the state a flush's reset leaves is not
-    flushed again (SPEC §2): its state is its checkpoint, and re-compressing it would only add error. NaN counts as
-    something."""
+def _ring_has_entries(p_w, p_pc, n_used, K: tl.constexpr, BL: tl.constexpr, IS_KDA: tl.constexpr):
+    """Whether the pair's ring holds anything since its last flush: not every ``w`` of its ``n_used`` entries in use
+    zero, or the checkpoint's scale not the identity (KDA ``pcum`` not all 0, GDN ``pcum != 1``). A ring in the state
+    a flush's reset leaves is not flushed again (SPEC §2): its state is its checkpoint, and re-compressing it would
+    only add error. NaN counts as something."""
     o_l = tl.arange(0, BL)
-    n_live = tl.sum((tl.load(p_w + o_l, mask=o_l < L, other=0.0) != 0.0).to(tl.int32), axis=0)
+    n_live = tl.sum((tl.load(p_w + o_l, mask=o_l < n_used, other=0.0) != 0.0).to(tl.int32), axis=0)
     if IS_KDA:
         n_live += tl.sum((tl.load(p_pc + tl.arange(0, K)) != 0.0).to(tl.int32), axis=0)
     else:
@@ -170,19 +170,22 @@ def _pin(b_x):
 
 
 @triton.jit
-def _ring_chunk(p_k, p_u, p_w, p_g, c: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+def _ring_chunk(p_k, p_u, p_w, p_g, n_used, c: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
                 IS_KDA: tl.constexpr):
-    """Ring entries 16 c .. 16 c + 15 (zero past L): ubuf^T [V, 16] and the decayed keys [16, K] as three bf16
-    pieces, largest first, whose sum is exact (so is every product with ubuf)."""
+    """Ring entries 16 c .. 16 c + 15 of the ``n_used`` in use (``L``, or a forced flush's fill count; zero past
+    them, whatever those entries hold): ubuf^T [V, 16] and the decayed keys [16, K] as three bf16 pieces, largest
+    first, whose sum is exact (so is every product with ubuf)."""
     o_k = tl.arange(0, K)
     o_j = c * 16 + tl.arange(0, 16)
-    m_j = o_j < L
+    m_j = o_j < n_used
     b_kd = tl.load(p_k + o_j[:, None] * K + o_k[None, :], mask=m_j[:, None], other=0.0).to(tl.float32)
     if IS_KDA:
-        # d_j = prod_{i>j} gbuf[i] from i = L-1 down, as the reference (a tl.cumprod would cross the warps)
+        # d_j = prod_{j<i<n_used} gbuf[i] from i = L-1 down, as the reference (a tl.cumprod would cross the warps)
         b_d = tl.full([16, K], 1.0, tl.float32)
         for i in tl.static_range(L - 1, c * 16, -1):
-            b_gi = tl.load(p_g + i * K + o_j[:, None] * 0 + o_k[None, :], mask=o_j[:, None] < i, other=1.0)
+            # a select, not `&`: Triton 3.9's interpreter rejects `&` of a block and a scalar comparison as a mask
+            b_gi = tl.load(p_g + i * K + o_j[:, None] * 0 + o_k[None, :],
+                           mask=tl.where(i < n_used, o_j[:, None] < i, False), other=1.0)
             b_d = b_d * b_gi.to(tl.float32)
         b_kd = b_kd * b_d
     b_kd = b_kd * tl.load(p_w + o_j, mask=m_j, other=0.0)[:, None]
@@ -210,11 +213,12 @@ def _ring_dots(b_s, b_ut, b_k1, b_k2, b_k3, BF16_DOTS: tl.constexpr):
 
 
 @triton.jit
-def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, p_q0, p_e, p_qt, m_q, K: tl.constexpr, V: tl.constexpr,
-             L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, IS_KDA: tl.constexpr,
-             BF16_DOTS: tl.constexpr):
-    """Steps 1-4: S = (Dq + Lo) * scale + Ring [V, K]; writes fp16(Q0) to ``p_qt`` and (KDA) exp(pcum) to ``p_e``.
-    Every input is loaded before the first barrier, so that their latencies overlap."""
+def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, p_q0, p_e, p_qt, m_q, n_used, K: tl.constexpr,
+             V: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr,
+             IS_KDA: tl.constexpr, BF16_DOTS: tl.constexpr):
+    """Steps 1-4: S = (Dq + Lo) * scale + Ring [V, K] over the ring's first ``n_used`` entries (``L``, or a forced
+    flush's fill count); writes fp16(Q0) to ``p_qt`` and (KDA) exp(pcum) to ``p_e``. Every input is loaded before the
+    first barrier, so that their latencies overlap."""
     o_k, o_v, _, o_r, _, m_r = _ranges(K, V, L, R, BL, BR)
     b_pc = tl.load(p_pc + o_k) if IS_KDA else tl.load(p_pc)
     b_q0 = tl.load(p_q0 + o_v[:, None] * R + o_r[None, :], mask=m_r[None, :], other=0.0)
@@ -223,7 +227,7 @@ def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, p_q0, p_e, p_qt, m_q, K
     b_c = tl.load(p_c)
     b_qo = tl.load(p_uq + o_r[None, :] * (K + V) + K + o_v[:, None], mask=m_r[None, :], other=0.0)
     b_uo = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=m_r[:, None], other=0.0)
-    b_ut, b_k1, b_k2, b_k3 = _ring_chunk(p_k, p_u, p_w, p_g, 0, K, V, L, IS_KDA)
+    b_ut, b_k1, b_k2, b_k3 = _ring_chunk(p_k, p_u, p_w, p_g, n_used, 0, K, V, L, IS_KDA)
     tl.store(p_qt, b_q0.to(tl.float16), mask=m_q)
     if IS_KDA:
         tl.store(p_e + o_k, tl.exp(b_pc))
@@ -239,7 +243,7 @@ def _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, p_q0, p_e, p_qt, m_q, K
     # the ring 16 entries at a time: whole-ring operands spill at L = 32
     b_s = _ring_dots(b_s, b_ut, b_k1, b_k2, b_k3, BF16_DOTS)
     for c in tl.static_range(1, BL // 16):
-        b_ut, b_k1, b_k2, b_k3 = _ring_chunk(p_k, p_u, p_w, p_g, c, K, V, L, IS_KDA)
+        b_ut, b_k1, b_k2, b_k3 = _ring_chunk(p_k, p_u, p_w, p_g, n_used, c, K, V, L, IS_KDA)
         b_s = _ring_dots(b_s, b_ut, b_k1, b_k2, b_k3, BF16_DOTS)
     return b_s
 
@@ -436,12 +440,17 @@ def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum,
                            SS, HS, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
                            R: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, ITERS: tl.constexpr,
                            IS_KDA: tl.constexpr, SCR: tl.constexpr, BF16_DOTS: tl.constexpr, LIST: tl.constexpr,
-                           PDL: tl.constexpr, AHEAD: tl.constexpr):
+                           PDL: tl.constexpr, AHEAD: tl.constexpr, FORCE: tl.constexpr):
     """The flush, in place, of one due (slot, head) per program. ``LIST`` False: grid (N, HV), program (n, h) takes
     (idx[n], h) if it is due; True: grid (N HV,), program p the p-th pair of ``work`` (:func:`due_list_kernel`; ``PDL``:
     launched as its dependent; ``AHEAD``: the L2 prefetch distance). ``codes``, ``skv``, ``uq``: int8, fp32, fp16 views
     of the pool, region (n, h) at word n SS + h HS (SPEC §2: HS = V K in the engine layout, the rounded checkpoint in
-    the compact one); ``scratch``, ``scratch16``: SCR words per program."""
+    the compact one); ``scratch``, ``scratch16``: SCR words per program. ``FORCE``: the forced flush (SPEC §2), grid
+    schedule only: every ring holding an entry is due, read up to its fill count, and a flushed pair's ``hcnt`` set
+    to L."""
+    tl.static_assert(not (LIST and FORCE), "the forced flush takes the grid schedule")
+    # the ring entries in use: all L, or a forced flush's fill count (below)
+    n_used = L
     if LIST:
         pid = tl.program_id(0)
         if PDL:
@@ -459,8 +468,13 @@ def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum,
         if (i_s < FIRST) | (i_s >= NS):
             return
         i_sh = i_s * HV + i_h  # int64: NS HV L K passes 2^31 at a few thousand slots
-        if tl.load(hcnt + i_sh) != L:
-            return
+        if FORCE:
+            n_used = tl.load(hcnt + i_sh)
+            if (n_used < 1) | (n_used > L):
+                return
+        else:
+            if tl.load(hcnt + i_sh) != L:
+                return
         o_scr = (i_n.to(tl.int64) * HV + i_h) * SCR
     o_k, o_v, o_l, o_r, m_l, m_r = _ranges(K, V, L, R, BL, BR)
     o_reg, p_y, p_gram, p_cn, p_q16, p_e = _region_and_scratch(scratch, scratch16, o_scr, i_s, i_h, SS, HS, K, V,
@@ -468,7 +482,7 @@ def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum,
     p_qt, m_q = _q16_tile(p_q16, V, BR)
     p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g = _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, o_reg,
                                                                 i_sh, K, V, L, IS_KDA)
-    b_s = _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, q0, p_e, p_qt, m_q, K, V, L, R, BL, BR, IS_KDA,
+    b_s = _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, q0, p_e, p_qt, m_q, n_used, K, V, L, R, BL, BR, IS_KDA,
                    BF16_DOTS)
     if not LIST:
         # what due_list_kernel decides for the list: once per call. Here, after the rebuild's loads, so that the
@@ -476,7 +490,11 @@ def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum,
         if _named_before(idx, i_n, i_s) > 0:
             return
     # nothing for an empty ring (both schedules): its w and pcum come from L1 after the rebuild's loads
-    if not _ring_has_entries(p_w, p_pc, K, L, BL, IS_KDA):
+    if not _ring_has_entries(p_w, p_pc, n_used, K, BL, IS_KDA):
         return
     _compress(b_s, p_c, p_skv, p_uq, p_w, p_pc, p_g, p_y, p_gram, p_cn, p_q16, p_qt, m_q, p_e, o_k, o_v, o_l, o_r, m_l,
               m_r, K, V, R, BL, BR, ITERS, IS_KDA, BF16_DOTS)
+    if FORCE:
+        # "flushed, next entry 0" (SPEC §2): no program of this launch reads this pair's hcnt after its own load but
+        # a later row naming the same slot, which finds it due either way and stops at the first-row scan above
+        tl.store(hcnt + i_sh, L)

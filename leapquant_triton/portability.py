@@ -1,5 +1,6 @@
 """Ahead-of-time compile check of the flush, step and states kernels for every CUDA architecture the Triton backend
-claims, no GPU needed: ``python -m leapquant_triton.portability [--arch 80,90] [--quick] [--ops flush,step,states]``.
+claims, no GPU needed: ``python -m leapquant_triton.portability [--arch 80,90] [--quick]
+[--ops flush,force,step,states]``.
 
 For each (architecture, shape) it runs Triton's own pipeline down to a cubin with ``triton.compile(ASTSource(...),
 target=GPUTarget("cuda", cc, 32))``, then reads the resource use back from ``ptxas -v`` (Triton's bundled ptxas, the
@@ -7,9 +8,10 @@ same flags Triton uses) and compares it with the architecture's limits. It exits
 not compile, does not fit (255 registers per thread, the shared memory per block of that architecture, no spills
 beyond :data:`MAX_SPILL_BYTES`), or does not take the tensor-core lowering it must: ``mma.sync`` for the flush's
 ``tl.dot`` and the states kernels' (the backend forces it), ``mma.sync`` or none for the step (:func:`mma_family` of
-the PTX). The flush's builds (``grid``, ``list``) and the states builds (``load``, ``states``; ``-kv``: FLA's
-``[K, V]`` state layout) are claimed on :data:`.targets.SUPPORTED_CAPABILITIES`, the step's (``step``) on
-:data:`.targets.STEP_CAPABILITIES`, sm_75 included; targets not claimed are compiled and reported but cannot fail.
+the PTX). The flush's builds (``grid``, ``list``; the forced flush's ``grid-force``) and the states builds
+(``load``, ``states``; ``-kv``: FLA's ``[K, V]`` state layout) are claimed on :data:`.targets.SUPPORTED_CAPABILITIES`,
+the step's (``step``) on :data:`.targets.STEP_CAPABILITIES`, sm_75 included; targets not claimed are compiled and
+reported but cannot fail.
 """
 
 from __future__ import annotations
@@ -67,8 +69,10 @@ STEP = "step"
 STEP_GLUON = "step-gluon"
 # the states builds: each kernel with the V-first state and (-kv) FLA's [K, V] one
 STATES = tuple(f"{which}{lay}" for which in STATES_KERNELS for lay in ("", "-kv"))
+# the forced flush's build (FORCE: partially filled rings, SPEC §2; the grid schedule only)
+FORCED = ("grid-force",)
 # the builds of each op, as --ops selects them
-OPS = {"flush": SCHEDULES, "step": (STEP, STEP_GLUON), "states": STATES}
+OPS = {"flush": SCHEDULES, "force": FORCED, "step": (STEP, STEP_GLUON), "states": STATES}
 
 
 @dataclass
@@ -117,9 +121,9 @@ class Report:
     def line(self) -> str:
         if self.error:
             flag = "FAIL" if self.claim else "--  "
-            return f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<9} {flag}  {self.error}"
+            return f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<10} {flag}  {self.error}"
         flag = "ok  " if self.ok else "FAIL"
-        return (f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<9} {flag}  warps {self.num_warps:2d}  "
+        return (f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<10} {flag}  warps {self.num_warps:2d}  "
                 f"regs {self.regs:3d}/{MAX_REGS}  spill {self.spill_bytes:4d} B  "
                 f"smem {self.smem / 1024:6.1f}/{SMEM_LIMIT[self.arch] >> 10} KiB  {self.mma:<8}  "
                 f"({self.seconds:.1f} s)")
@@ -172,20 +176,23 @@ FIRST_SLOT = 1
 def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | None = None,
                 maxnreg: int | None = None) -> Report:
     """Compile the flush kernel as one of its schedules launches it (``kernel``: ``"grid"`` or ``"list"``, the
-    ``LIST`` switch of :func:`leapquant_flush_kernel`), the step kernel (``kernel="step"``: :func:`compile_step`) or
-    a states kernel (``kernel`` in :data:`STATES`: :func:`compile_states`), for ``sm_<arch>`` at ``shape`` and check
-    it against the architecture's limits."""
+    ``LIST`` switch of :func:`leapquant_flush_kernel`; ``"-force"`` appended: its forced-flush build), the step
+    kernels (``kernel="step"``, ``"step-gluon"``: :func:`compile_step`) or a states kernel (``kernel`` in
+    :data:`STATES`: :func:`compile_states`), for ``sm_<arch>`` at ``shape`` and check it against the architecture's
+    limits."""
     if kernel in (STEP, STEP_GLUON):
         return compile_step(arch, shape, num_warps, gluon=kernel == STEP_GLUON)
     if kernel in STATES:
         return compile_states(arch, shape, kernel.removesuffix("-kv"), not kernel.endswith("-kv"))
-    if kernel not in SCHEDULES:
-        raise ValueError(f"kernel must be one of {SCHEDULES + (STEP, STEP_GLUON) + STATES}, not {kernel!r}")
+    if kernel not in SCHEDULES + FORCED:
+        raise ValueError(f"kernel must be one of {SCHEDULES + FORCED + (STEP, STEP_GLUON) + STATES}, not {kernel!r}")
+    force = kernel in FORCED
+    schedule = kernel.removesuffix("-force")
     nw, maxnreg = warps_and_cap(shape.head_k, shape.head_v, num_warps, maxnreg)  # the backend's launch
     # as flush_pool launches it (griddepcontrol and the bulk L2 prefetch need sm_90; the prefetch distance, two
     # programs per SM of the GPU at hand, only moves a constant: the H200's is taken)
-    sm90_list = kernel == "list" and arch >= 90
-    constexprs = dict(kernel_constants(_geometry(shape), FIRST_SLOT, shape.iters), LIST=kernel == "list",
+    sm90_list = schedule == "list" and arch >= 90
+    constexprs = dict(kernel_constants(_geometry(shape), FIRST_SLOT, shape.iters, force), LIST=schedule == "list",
                       PDL=sm90_list, AHEAD=264 if sm90_list else 0)
     signature = dict(_POINTERS, NS="i32", HV="i32", SS="i32", HS="i32", **{k: "constexpr" for k in constexprs})
     rep = _build(leapquant_flush_kernel, signature, constexprs, _POINTERS, arch, compile_options(nw, maxnreg),

@@ -79,7 +79,8 @@ def states_kernel(slots, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, q0, NS,
     m_none = (o_v[:, None] < 0) & (o_r[None, :] < 0)
     p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g = _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, o_reg,
                                                                 i_sh, K, V, L, IS_KDA)
-    b_s = _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, q0, p_e, p_qt, m_none, K, V, L, R, BL, BR, IS_KDA,
+    # the whole ring, weighted by w (SPEC §5.1)
+    b_s = _rebuild(p_c, p_skv, p_uq, p_k, p_u, p_w, p_pc, p_g, q0, p_e, p_qt, m_none, L, K, V, L, R, BL, BR, IS_KDA,
                    BF16_DOTS)
     tl.debug_barrier()  # every warp has read exp(pcum) back before the state overwrites it
     tl.store(p_o, b_s)

@@ -574,12 +574,12 @@ def test_compile_with_check():
 STATE_BACKENDS = ["reference"] + (["triton"] if "triton" in backends_here("cpu") else [])
 
 
-def _region(pool, slot: int, n: int = 1) -> torch.Tensor:
-    """``[n, HV, V, K]`` fp32 words of ``pool.raw`` from slot ``slot``'s first checkpoint region on (engine layout:
-    a region of V K words per head): dense, so every check of ``out`` and ``states`` but aliasing passes."""
-    start = pool.base + slot * pool.slot_stride
-    return pool.raw[start:start + n * pool.heads * pool.head_v * pool.head_k].view(n, pool.heads, pool.head_v,
-                                                                                     pool.head_k)
+def _region(pool, n: int = 1) -> torch.Tensor:
+    """``[n, HV, V, K]`` fp32 words of ``pool.raw`` from its first checkpoint on (several checkpoints' words in the
+    compact layout, the default; a region's in the engine layout): dense, so every check of ``out`` and ``states``
+    but aliasing passes."""
+    return pool.raw[pool.base:pool.base + n * pool.heads * pool.head_v * pool.head_k].view(n, pool.heads, pool.head_v,
+                                                                                             pool.head_k)
 
 
 def _heads_overlapping(pool, n=2) -> torch.Tensor:
@@ -591,7 +591,7 @@ def _heads_overlapping(pool, n=2) -> torch.Tensor:
 
 
 OUT_ALIASED = {
-    "out in raw": (lambda p, s: _region(p, 4, 2), r"out and pool\.raw share memory"),
+    "out in raw": (lambda p, s: _region(p, 2), r"out and pool\.raw share memory"),
     "out over slots": (None, r"out and slots share memory"),
     "out heads sharing memory": (lambda p, s: _heads_overlapping(p), r"out must not have elements that share memory"),
 }
@@ -638,7 +638,7 @@ def test_load_states_input_aliasing_the_pool_is_refused(backend, case, check):
     pool = _pool()
     which, words, _ = LOAD_ALIASED[case]
     if which == "states":
-        slots, states = torch.tensor([1]), _region(pool, 4)
+        slots, states = torch.tensor([1]), _region(pool)
         states.copy_(torch.randn(states.shape, generator=torch.Generator().manual_seed(2)))  # finite values
     else:
         pool.hcnt[1, 0] = 2

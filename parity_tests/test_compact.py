@@ -21,7 +21,6 @@ import torch
 import leapquant
 from leapquant import parity
 from leapquant import formulas as ref
-from leapquant.backends import BackendError
 from leapquant.constants import BASE_WORDS
 from leapquant.memory import formats
 
@@ -119,7 +118,7 @@ def test_addresses_and_allocation(K, V, R):
                                                             pool.hcnt))
     table = {f.name: f.per_sequence for f in formats(HV, K, V, 16, R, "kda")}
     assert table["LeapQuant, compact layout"] == (pool.raw.numel() * 4 - 4 * BASE_WORDS) // NS + rings
-    engine = leapquant.Pool(NS, HV, K, V, 16, R, device=DEVICE)
+    engine = leapquant.Pool(NS, HV, K, V, 16, R, device=DEVICE, layout="engine")
     assert table["LeapQuant, engine layout"] == (engine.raw.numel() * 4 - 4 * BASE_WORDS) // NS + rings
     # a new compact pool holds the same zero states as a new engine pool
     assert _same_contents(pool, engine) == []
@@ -131,7 +130,7 @@ def test_construction_checks():
     with pytest.raises(ValueError, match="layout must be"):
         leapquant.Pool(3, 2, 64, 64, 8, 2, layout="dense")
     pool = leapquant.Pool(3, 2, 64, 64, 8, 2, layout="compact")
-    engine = leapquant.Pool(3, 2, 64, 64, 8, 2)
+    engine = leapquant.Pool(3, 2, 64, 64, 8, 2, layout="engine")
     geo = dict(num_slots=3, heads=2, head_k=64, head_v=64, ring=8, rank=2, gate="kda")
     parts = dict(kbuf=pool.kbuf, ubuf=pool.ubuf, w=pool.w, pcum=pool.pcum, gbuf=pool.gbuf, hcnt=pool.hcnt,
                  q0=pool.q0)
@@ -171,17 +170,18 @@ def test_pickled_compact_pool_aliases_raw(how):
     assert not torch.equal(a["raw"], start["raw"]), "the flush stored nothing"
 
 
-def test_tilelang_refuses_compact_and_auto_passes_it_over():
-    """TileLang addresses the engine layout only: it says so, an explicit request raises BackendError with that
-    reason, and "auto" picks another backend."""
+def test_tilelang_takes_both_layouts():
+    """TileLang builds the layout's strides into its kernel (test_tilelang_compile: the addresses are all that
+    changes), so its requirements take both layouts; where it cannot run, the reason is the machine, not the
+    layout."""
     from leapquant_tilelang.backend import TileLangBackend
 
-    pool = leapquant.Pool(2, 32, layout="compact")
-    ok, why = TileLangBackend().supports(pool)
-    assert not ok and "layout 'compact'" in why
-    with pytest.raises(BackendError, match="layout 'compact'"):
-        leapquant.select(pool, "tilelang")
-    assert leapquant.select(pool, "auto").name != "tilelang"
+    backend = TileLangBackend()
+    for layout in ("engine", "compact"):
+        pool = leapquant.Pool(2, 32, layout=layout)
+        assert backend.requirements.check_layout(pool) == (True, "ok")
+        ok, why = backend.supports(pool)
+        assert ok or "layout" not in why, why
 
 
 def test_compiled_flush_of_a_compact_pool():

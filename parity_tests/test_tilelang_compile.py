@@ -32,10 +32,10 @@ MAX_SPILL_BYTES = 256
 
 
 @functools.lru_cache(maxsize=None)
-def lower(arch: str, gate: str, num_slots: int = 40, first_slot: int = 1, iters: int = 1):
+def lower(arch: str, gate: str, num_slots: int = 40, first_slot: int = 1, iters: int = 1, layout: str = "engine"):
     """CUDA source and device-function attributes of the kernel lowered for ``arch`` (no device needed)."""
     sms, _ = TARGETS[arch]
-    func = flush_kernel.get_tir(num_slots, gate=gate, first_slot=first_slot, iters=iters, sms=sms)
+    func = flush_kernel.get_tir(num_slots, gate=gate, first_slot=first_slot, iters=iters, layout=layout, sms=sms)
     target = tvm.target.Target({"kind": "cuda", "arch": arch})
     with tvm.transform.PassContext(config=dict(flush_kernel.pass_configs)), target:
         artifact = tilelang.lower(func, target=target)
@@ -138,9 +138,34 @@ def test_largest_due_list_fits(arch):
         flush_kernel.get_tir(num_slots + sms, gate="kda", first_slot=1, sms=sms)
 
 
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_compact_layout_changes_addresses_only(gate, tmp_path):
+    """The compact layout (SPEC §2) moves the checkpoints, nothing else: the lowered source differs from the engine
+    layout's only in the lines that address a checkpoint (the direct stores of s_k, s_v, codes and the factors, their
+    head stride 16,384 or 32,768 elements there, 4,864 or 9,728 here); the launch shape and shared memory are the
+    same, and the compact build compiles within the same register and spill budget."""
+    import difflib
+
+    engine, attrs_e = lower("sm_90a", gate)
+    compact, attrs_c = lower("sm_90a", gate, layout="compact")
+    assert int(attrs_c["dyn_shared_memory_buf"]) == int(attrs_e["dyn_shared_memory_buf"])
+    assert dict(attrs_c["thread_extent"]) == dict(attrs_e["thread_extent"])
+    a, b = engine.splitlines(), compact.splitlines()
+    assert len(a) == len(b)
+    changed = [(x, y) for x, y in zip(a, b) if x != y]
+    assert 4 <= len(changed) <= 8, "\n".join(difflib.unified_diff(a, b, lineterm=""))
+    for x, y in changed:
+        assert re.search(r"\b(16384|32768)\b", x) and re.search(r"\b(4864|9728)\b", y), (x, y)
+        assert re.sub(r"\d+", "N", x.split("=")[-1]) == re.sub(r"\d+", "N", y.split("=")[-1]), (x, y)
+    usage = ptxas_usage(compact, "sm_90a", tmp_path)
+    assert usage["registers"] <= MAX_REGISTERS
+    assert usage["spill_stores"] <= MAX_SPILL_BYTES, usage
+
+
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(heads=16), dict(head_k=64, head_v=64), dict(ring=8), dict(rank=5), dict(gate="mamba"), dict(first_slot=2)],
+    [dict(heads=16), dict(head_k=64, head_v=64), dict(ring=8), dict(rank=5), dict(gate="mamba"), dict(first_slot=2),
+     dict(layout="dense")],
 )
 def test_unsupported_geometry_is_refused(kwargs):
     with pytest.raises(ValueError):

@@ -103,8 +103,10 @@ def _check_flush(pool, idx: list[int], due_progs: list[tuple[int, int]],
 def _pool(heads=2, head_k=64, head_v=64, ring=8, rank=2, gate="kda", convention="vllm", iters=1, num_slots=5,
           seed=0):
     g = torch.Generator().manual_seed(seed)
+    # the engine layout, named: these tests poison its spare heads and region tails (the compact layout's own tests,
+    # test_compact.py, run the kernel on it)
     pool = leapquant.Pool(num_slots, heads, head_k, head_v, ring, rank, gate=gate, convention=convention,
-                          device=DEVICE, iters=iters)
+                          device=DEVICE, iters=iters, layout="engine")
     _randomise(pool, g)
     return pool, g
 
@@ -164,8 +166,7 @@ def test_schedules_agree_bytewise():
     idx = torch.tensor([4, 0, 1, 3, 2], dtype=torch.int32, device=pool.device)
     out = {}
     for schedule in ("grid", "list"):
-        p = leapquant.Pool(pool.num_slots, 3, 64, 64, 16, 3, gate="kda", device=DEVICE)
-        parity.restore(p, parity.snapshot(pool))
+        p = parity.twin(pool)
         flush_pool(p, idx, schedule=schedule)
         out[schedule] = parity.snapshot(p)
     for name in out["grid"]:
@@ -282,7 +283,7 @@ def test_direct_launches_write_what_bound_launches_write(schedule, monkeypatch):
     for s, h in [(1, 0), (1, 2), (2, 1), (3, 0), (4, 1), (4, 2)]:
         _fill_program(pool, s, h, g)
     start = parity.snapshot(pool)
-    p = leapquant.Pool(pool.num_slots, 3, 128, 128, 16, 4, gate="kda", device=DEVICE)
+    p = parity.twin(pool)
     buf = torch.tensor([0, 4, 0, 1, 3, 2], dtype=torch.int32, device=DEVICE)
     for idx in (buf[:5], buf[1:]):
         out = []
@@ -319,14 +320,14 @@ def test_plans_follow_the_pools_memory():
     assert flush._plan(pool, 1, schedule_for(1, 1), 4, None, idx.device) is first
     twin = leapquant.Pool.from_tensors(pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt,
                                        pool.q0, num_slots=3, heads=1, head_k=64, head_v=64, ring=8, rank=1,
-                                       gate="kda")
+                                       gate="kda", layout="engine")
     assert flush._plan(twin, 1, schedule_for(1, 1), 4, None, idx.device) is first
     assert len(launcher._PER_POOL[pool.raw]) == 1
 
     # the same pool with another ring in a new tensor: the flush must read it, as a pool built with it does
     parity.restore(pool, start)
     pool.ubuf = 2 * pool.ubuf
-    want = leapquant.Pool(3, 1, 64, 64, 8, 1, gate="kda", device=DEVICE)
+    want = leapquant.Pool(3, 1, 64, 64, 8, 1, gate="kda", device=DEVICE, layout="engine")
     parity.restore(want, start)
     want.ubuf.copy_(pool.ubuf)
     flush_pool(pool, idx)

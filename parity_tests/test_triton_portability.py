@@ -65,6 +65,19 @@ def test_claimed_architectures_fit():
         len(SUPPORTED_CAPABILITIES) if gluon_here else 0), res.stdout
 
 
+@pytest.mark.slow
+def test_forced_flush_build_fits():
+    """The forced flush's build (FORCE, grid schedule: fill counts read, partial rings masked, hcnt stored) fits every
+    claimed architecture as the flush's builds do."""
+    res = _run("--quick", "--ops", "force", "--arch", ",".join(map(str, SUPPORTED_CAPABILITIES)))
+    assert res.returncode == 0, res.stdout + res.stderr[-4000:]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("sm_")]
+    assert len(rows) == 2 * len(SUPPORTED_CAPABILITIES), res.stdout
+    for line in rows:
+        m = re.search(r" grid-force +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B .* mma\.sync ", line)
+        assert m and int(m[2]) <= MAX_SPILL_BYTES, line
+
+
 @pytest.mark.parametrize("ptx,family", [
     ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, ...;", "mma.sync"),
     ("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, 1, 1, 1, 0, 0;", "wgmma"),

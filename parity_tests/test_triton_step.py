@@ -297,8 +297,7 @@ def test_backend_step_and_empty_batch():
     BACKEND.step(pool, empty, **tok, scale=1.0, use_qk_l2norm=False, out=torch.empty(0, 2, 64, device=DEVICE))
     assert all(torch.equal(before[n], parity.snapshot(pool)[n]) for n in before)
 
-    A = leapquant.Pool(5, 2, 64, 64, 8, 2, gate="kda", device=DEVICE)
-    parity.restore(A, before)
+    A = parity.twin(pool)
     idx = torch.tensor([1, 3], dtype=torch.int32, device=DEVICE)
     for _ in range(pool.ring):
         tok = _tokens(pool, 2, 1, torch.bfloat16, "contiguous", g)
