@@ -118,9 +118,10 @@ def _prefetch(work, n_due, q, codes, kbuf, ubuf, w, gbuf, HV, SS, HS, K: tl.cons
 
 @triton.jit
 def _is_due(b_hc, L: tl.constexpr, FORCE: tl.constexpr):
-    """SPEC §2's due rule on fill counts: a full ring, or (``FORCE``, a forced flush) any ring holding an entry."""
+    """SPEC §2's due rule on fill counts: a full ring, or (``FORCE`` = r > 0) any ring holding an entry that cannot
+    hold r more (r = L: the forced flush; r = T: before a step of T tokens, SPEC §6.1)."""
     if FORCE:
-        return (b_hc >= 1) & (b_hc <= L)
+        return (b_hc >= 1) & (b_hc <= L) & (b_hc + FORCE > L)
     return b_hc == L
 
 

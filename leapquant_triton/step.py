@@ -49,14 +49,21 @@ def _prepared(pool, use_qk_l2norm: bool, fma: bool | None):
     """The step's launch with the pool's tensors and constants bound once (:meth:`.launcher.Launcher.prepare`),
     prepared again when a tensor of the pool moved (:func:`.launcher.per_pool`)."""
     g = pool.geometry
+    hist = pool.history
     tensors = dict(codes=pool.codes, skv=pool.s_kv, uq=pool.uq, kbuf=pool.kbuf, ubuf=pool.ubuf, w=pool.w,
                    pcum=pool.pcum, gbuf=pool.gbuf if pool.gbuf is not None else pool.w,  # GDN never reads it
-                   hcnt=pool.hcnt)
+                   hcnt=pool.hcnt,
+                   # the history of SPEC §6.1 where the pool keeps one (else pointers never written: HIST off)
+                   hstart=hist.start if hist is not None else pool.hcnt,
+                   hcount=hist.count if hist is not None else pool.hcnt,
+                   hpcum=hist.pcum if hist is not None else pool.pcum,
+                   hw=hist.w if hist is not None else pool.w)
 
     def make():
         kernel, consts, options = step_build(g, pool.first_slot, use_qk_l2norm, device_capability(pool.raw.device),
                                              fma)
-        static = dict(tensors, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, HS=g.head_stride, **consts)
+        static = dict(tensors, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, HS=g.head_stride, **consts,
+                      HIST=hist is not None, HT=hist.max_tokens + 1 if hist is not None else 1)
         return _LAUNCHERS[kernel].prepare(static, options)
 
     key = ("step", g, pool.first_slot, bool(use_qk_l2norm), fma)
@@ -66,7 +73,10 @@ def _prepared(pool, use_qk_l2norm: bool, fma: bool | None):
 def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
               beta: torch.Tensor, scale: float, use_qk_l2norm: bool, out: torch.Tensor,
               fma: bool | None = None) -> None:
-    """One decode token per row of ``idx`` (int32 ``[N]``) on ``pool`` in place, ``out`` written (SPEC §6).
+    """One decode token per row of ``idx`` (int32 ``[N]``) on ``pool`` in place, ``out`` written (SPEC §6); with
+    token tensors of a token axis (``q`` ``[N, T, H, K]``, ..., ``out`` ``[N, T, HV, V]``), T tokens per row (SPEC
+    §6.1: the rings that cannot hold T more flushed first, then the tokens one after the other in one launch, the
+    checkpoint read once), and the pool's history written where it keeps one.
 
     Flushes the full rings of ``idx`` first (:func:`.flush.flush_pool`; stream order makes the step see the new
     checkpoints), then launches :func:`.step_kernel.leapquant_step_kernel`
@@ -77,9 +87,13 @@ def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     N = idx.numel()
     if N == 0:
         return
+    T = q.shape[1] if q.dim() == 4 else 1
+    dims = "nth" if T > 1 else "nh"  # the token axis second; one token: no axis, its stride unused
     strides = {f"s{name}_{d}": t.stride(i) for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("b", beta),
-                                                             ("o", out)) for i, d in enumerate("nh")}
+                                                             ("o", out)) for i, d in enumerate(dims)}
+    if T == 1:
+        strides.update({f"s{name}_t": 0 for name in "qkvgbo"})
     dynamic = dict(idx=idx, q=q, k=k, v=v, g=g, beta=beta, out=out, **strides, scale=float(scale),
-                   G=pool.heads // q.shape[1])
-    flush_pool(pool, idx)
+                   G=pool.heads // q.shape[-2], T=T)
+    flush_pool(pool, idx, force=T if T > 1 else False)
     _prepared(pool, use_qk_l2norm, fma)((N, pool.heads), dynamic)

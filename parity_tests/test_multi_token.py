@@ -208,10 +208,58 @@ def test_errors():
         leapquant.accept(plain, idx, torch.tensor([1, 0], dtype=torch.int32))
 
 
-def test_triton_refuses_several_tokens():
-    """The Triton step takes one token per row: T > 1 there is a clear BackendError, and auto takes the reference."""
-    pool, gen = _pool("kda", 2, seed=6)
-    idx = torch.tensor([1, 2], dtype=torch.int32)
-    with pytest.raises(leapquant.BackendError, match="one token per row"):
-        leapquant.step(pool, idx, **_tokens(pool, 2, 2, 4, gen), backend="triton")
-    assert leapquant.select(pool, "auto", op="step_tokens").name == "reference"
+TRITON_CASES = [("kda", 3, 2, None), ("gdn", 2, 1, None), ("kda", 2, 4, "fma")]
+
+
+@pytest.mark.parametrize("gate,T,H,kernel", TRITON_CASES, ids=[f"{c[0]}-T{c[1]}-{c[3] or 'auto'}" for c in TRITON_CASES])
+def test_triton_tokens_and_accept(gate, T, H, kernel):
+    """The Triton step of T tokens (one launch, the checkpoint read once; the interpreter on a CPU) against the
+    reference's: outputs within SPEC §6's 1e-5, the ring and counts as the reference writes them (new ``ubuf``
+    entries within one bf16 ulp), the history the same; then ``accept`` on both leaves the same pool."""
+    pytest.importorskip("triton")
+    from leapquant_triton.flush import flush_pool
+    from leapquant_triton.step import step_pool
+
+    pool, gen = _pool(gate, T, L=8, seed=20 + T)
+    idx = torch.tensor([3, 0, 1, 5], dtype=torch.int32)
+    tok = _tokens(pool, idx.numel(), T, H, gen)
+    other = _twin(pool)
+    # the flushes inside with the Triton flush on both (a flush meets SPEC §4, not bit equality): the reference's
+    # room flush then finds those rings flushed
+    flush_pool(other, idx, force=T)
+    want = leapquant.step(other, idx, **tok, backend="reference")
+    out = torch.full_like(want, float("nan"))
+    step_pool(pool, idx, **tok, scale=pool.head_k ** -0.5, use_qk_l2norm=False, out=out, kernel=kernel) \
+        if "kernel" in step_pool.__code__.co_varnames else \
+        step_pool(pool, idx, **tok, scale=pool.head_k ** -0.5, use_qk_l2norm=False, out=out, fma=kernel == "fma")
+    rel = (out - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+    assert float(rel[want.norm(dim=-1) > 0].max()) <= 1e-5
+    assert bool((out[1] == 0).all())
+    for name in ("hcnt", "w", "pcum", "kbuf", "gbuf"):
+        a, b = getattr(pool, name), getattr(other, name)
+        if a is not None:
+            assert torch.allclose(a.float(), b.float(), rtol=0, atol=0) or name in ("pcum", "w") and \
+                torch.allclose(a, b, rtol=4e-7, atol=0), name
+    ulp = (pool.ubuf.view(torch.int16).int() - other.ubuf.view(torch.int16).int()).abs()
+    assert int(ulp.max()) <= 1
+    assert torch.equal(pool.history.count, other.history.count)
+    assert torch.equal(pool.history.start, other.history.start)
+    assert torch.allclose(pool.history.pcum, other.history.pcum, rtol=4e-7, atol=0)
+    assert torch.allclose(pool.history.w, other.history.w, rtol=4e-7, atol=0)
+    n = torch.tensor([1, 0, T, 0], dtype=torch.int32)
+    leapquant.accept(pool, idx, n)
+    leapquant.accept(other, idx, n)
+    assert torch.equal(pool.hcnt, other.hcnt)
+
+
+def test_a_backend_of_one_token_refuses_several():
+    """A backend whose step takes one token per row is refused T > 1 with a clear BackendError."""
+    from leapquant.backends import BackendError
+    from leapquant.registry import _fits
+
+    class OneToken(ReferenceBackend):
+        multi_token = False
+
+    ok, why = _fits(OneToken(), _pool("kda", 2, seed=6)[0], "step_tokens")
+    assert not ok and "one token per row" in why
+    assert BackendError
