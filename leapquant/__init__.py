@@ -17,7 +17,7 @@ from .backends import Backend, BackendError, Requirements
 from .registry import BackendInfo, backends, register
 from .registry import get as get_backend
 from .constants import EPS, QMAX
-from .ops import flush, run, select, step
+from .ops import accept, flush, run, select, step
 from .geometry import Geometry
 from .pool import Pool, start_matrix
 from .packed import PackedWorkspace, packed_workspace, step_packed

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 
 ENTRY_POINT_GROUP = "leapquant.backends"
 # the operations a backend may implement: flush is required, the others optional ("force_flush": flush with
-# force=True, partially filled rings included)
-OPS = ("flush", "force_flush", "step", "states")
+# force=True, partially filled rings included; "step_tokens": a step of T > 1 tokens per row)
+OPS = ("flush", "force_flush", "step", "step_tokens", "states")
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,8 @@ class Backend:
     not_for_auto: dict[str, str] = {}
     # whether flush(..., force=True) is implemented: partially filled rings flushed too (SPEC §2, "Forced flush")
     partial_rings: bool = False
+    # whether step takes T > 1 tokens per row (token tensors [B, T, ...], SPEC §6.1)
+    multi_token: bool = False
 
     def available(self) -> tuple[bool, str]:
         """Whether this backend can run on this machine at all, and why not."""
@@ -131,7 +133,12 @@ class Backend:
         ring and ``out[n] = scale S_t q`` (zero for rows that name no real slot). Called with validated arguments:
         ``q``, ``k`` ``[N, H, K]``, ``v`` ``[N, HV, V]``, ``g`` ``[N, HV, K]`` (KDA) or ``[N, HV]``, ``beta``
         ``[N, HV]``, ``out`` ``[N, HV, V]``, each with a unit last stride. Same rules as :meth:`flush` (no host sync,
-        graph-capturable). Backends without a decode step leave it out (:meth:`implements`)."""
+        graph-capturable). Backends without a decode step leave it out (:meth:`implements`).
+
+        A backend that sets :attr:`multi_token` also takes T > 1 tokens per row (SPEC §6.1): ``q``, ``k``
+        ``[N, T, H, K]``, ``v`` ``[N, T, HV, V]``, ``g`` ``[N, T, HV, K]`` or ``[N, T, HV]``, ``beta`` ``[N, T, HV]``,
+        ``out`` ``[N, T, HV, V]``: the rings that cannot hold T more entries flushed first, then T one-token steps,
+        and the pool's history for :func:`leapquant.accept` written where the pool keeps one."""
         raise NotImplementedError
 
     def load_states(self, pool: "Pool", slots: torch.Tensor, states: torch.Tensor, state_v_first: bool) -> None:
@@ -153,6 +160,8 @@ class Backend:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
         if op == "force_flush":
             return self.partial_rings and self.implements("flush")
+        if op == "step_tokens":
+            return self.multi_token and self.implements("step")
         names = ("load_states", "states") if op == "states" else (op,)
         return all(getattr(type(self), n) is not getattr(Backend, n) for n in names)
 

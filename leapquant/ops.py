@@ -120,7 +120,8 @@ def _check_step(pool: Pool, idx: torch.Tensor, q, k, v, g, beta, out, check: boo
 
 def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
          beta: torch.Tensor, *, scale: Optional[float] = None, use_qk_l2norm: bool = False,
-         out: Optional[torch.Tensor] = None, backend: BackendName = "auto", check: bool = True) -> torch.Tensor:
+         out: Optional[torch.Tensor] = None, backend: BackendName = "auto", check: bool = True,
+         num_accepted: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One decode token per batch row, in place on the pool; returns the attention output (SPEC §6).
 
     Per row n and value head hv: if the ring of ``(idx[n], hv)`` is full it is flushed first (as :func:`flush`);
@@ -143,6 +144,14 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             ``"triton"``, or a registered backend's name.
         check: as for :func:`flush` (with ``False``: metadata only, no host synchronisation, graph-capturable). A
             slot named twice with ``check=False`` is flushed once; its ring update and output are undefined.
+        num_accepted: int32 ``[B]``: first apply :func:`accept` to the previous call's tokens (the engines' single
+            call, as FLA's ``num_accepted_tokens``), then step.
+
+    T tokens per row (speculative decoding, SPEC §6.1): ``q``, ``k`` ``[B, T, H, K]``, ``v`` ``[B, T, HV, V]``, ``g``
+    ``[B, T, HV, K]`` or ``[B, T, HV]``, ``beta`` ``[B, T, HV]`` with ``2 <= T <= L / 2`` return ``o`` ``[B, T, HV,
+    V]`` (``out`` likewise): the rings that cannot hold T more entries are flushed first (partially filled ones
+    too), then T one-token steps, token t's output from the state after it. On a pool made with ``max_tokens >= T``
+    the call keeps what :func:`accept` needs.
 
     Returns:
         ``o`` ``[B, HV, V]`` in q's dtype (``out``'s ``[B, HV, V]`` view when given), accumulated in fp32.
@@ -154,9 +163,18 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     """
     check_pool_type(pool)
     check_idx_layout(pool, idx)
+    B = idx.numel()
+    T = _tokens_per_row(q, B)
+    if T > 1 or num_accepted is not None:
+        if torch.compiler.is_compiling():
+            raise NotImplementedError("leapquant.step with T > 1 tokens per row or num_accepted runs eagerly (and "
+                                      "under CUDA graphs), not inside torch.compile")
+        if num_accepted is not None:
+            accept(pool, idx, num_accepted, check=check)
+    if T > 1:
+        return _step_tokens(pool, idx, T, q, k, v, g, beta, scale, use_qk_l2norm, out, backend, check)
     if not torch.compiler.is_compiling():
         _check_call(pool, idx, check)
-    B = idx.numel()
     q, k, v, beta = (token_rows(t, n, d, B) for t, n, d in ((q, "q", 3), (k, "k", 3), (v, "v", 3), (beta, "beta", 2)))
     g = token_rows(g, "g", 3 if pool.gate == "kda" else 2, B, gate_form(pool.gate))
     o = None if out is None else token_rows(out, "out", 3, B)
@@ -172,6 +190,108 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     torch.ops.leapquant.step(*op_args(pool, idx, backend)[:-1], q, k, v, g, beta, o, scale, bool(use_qk_l2norm),
                              backend, check=bool(check), layout=pool.layout)
     return o
+
+
+def _tokens_per_row(q, B: int) -> int:
+    """T of a step's token tensors: ``q`` ``[B, T, H, K]`` with T > 1 is a step of T tokens per row; every other form
+    (``[B, H, K]``, ``[B, 1, H, K]``, ``[1, B, H, K]``) one token."""
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] == B and q.shape[1] > 1:
+        return int(q.shape[1])
+    return 1
+
+
+def _step_tokens(pool: Pool, idx, T: int, q, k, v, g, beta, scale, use_qk_l2norm, out, backend, check):
+    """:func:`step` with T > 1 tokens per row (SPEC §6.1): the checks of every token's tensors, then the backend."""
+    L = pool.ring
+    if T > L // 2:
+        raise ValueError(f"a step takes at most L / 2 = {L // 2} tokens per row (ring {L}), got T = {T}")
+    if pool.history is not None and T > pool.history.max_tokens:
+        raise ValueError(f"the pool keeps history for {pool.history.max_tokens} tokens per row (Pool(max_tokens=...)),"
+                         f" got T = {T}")
+    B = idx.numel()
+    _check_call(pool, idx, check)
+    gdims = 4 if pool.gate == "kda" else 3
+    named = dict(q=(q, 4), k=(k, 4), v=(v, 4), g=(g, gdims), beta=(beta, 3))
+    if out is not None:
+        named["out"] = (out, 4)
+    for name, (t, dims) in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != dims or t.shape[0] != B or t.shape[1] != T:
+            raise ValueError(f"{name} must be [B, T, ...] with B = {B} rows and T = {T} tokens (as q) and {dims} "
+                             f"dimensions, got {list(t.shape)}" + (gate_form(pool.gate) if name == "g" else ""))
+    scale = check_scale(pool.head_k ** -0.5 if scale is None else scale)
+    for t in range(T):  # each token's tensors as one token's: shapes, dtypes, strides, memory, values
+        tok = [x[:, t] for x in (q, k, v, g, beta)] + [None if out is None else out[:, t]]
+        check_step_inputs(pool, *tok)
+        _check_step(pool, idx, *tok, check)
+    if out is None:
+        out = torch.empty(B, T, pool.heads, pool.head_v, dtype=q.dtype, device=pool.device)
+    launch(pool, resolve(backend, pool, "step_tokens").step, idx, q, k, v, g, beta, scale, bool(use_qk_l2norm), out)
+    return out
+
+
+def accept(pool: Pool, idx: torch.Tensor, num_accepted: torch.Tensor, check: bool = True) -> None:
+    """Keep the first ``num_accepted[n]`` of the tokens the last step gave row n, and take the others back (SPEC
+    §6.1): afterwards the pool behaves as if only those tokens had been stepped after that call's flush (the flush
+    stays). A cursor move: the fill count, ``pcum`` and ``w`` of each named slot's heads go back to what the call
+    recorded after its first ``num_accepted[n]`` tokens, and (KDA) the gates of the entries past the new count to 1,
+    what a flush leaves there; the keys and values the others wrote lie past the count under zero weights, unread.
+
+    Args:
+        pool: a pool made with ``max_tokens > 1`` (it keeps the history this needs).
+        idx: int32 ``[B]``, the rows' slots, as the step's; padding rows are left alone.
+        num_accepted: int32 or int64 ``[B]`` on the pool's device, each in ``0 .. T`` of the row's last step.
+        check: also check the values (a host synchronisation): ``idx`` in range, no slot twice, every
+            ``num_accepted`` within its row's last T. With ``False`` (graph-capturable, no synchronisation) a value
+            outside ``0 .. T`` is clamped into it.
+
+    Raises:
+        TypeError, ValueError: a wrong type, dtype, shape or device; a pool without history; with ``check`` also
+            the values above.
+    """
+    check_pool_type(pool)
+    check_idx_layout(pool, idx)
+    hist = pool.history
+    if hist is None:
+        raise ValueError("accept needs a pool that keeps a history of its steps: make it with Pool(..., "
+                         "max_tokens=T) for steps of up to T tokens per row")
+    if not isinstance(num_accepted, torch.Tensor):
+        raise TypeError(f"num_accepted must be a torch.Tensor, got {type(num_accepted).__name__}")
+    if num_accepted.dtype not in (torch.int32, torch.int64) or num_accepted.shape != idx.shape:
+        raise ValueError(f"num_accepted must be int32 or int64 of idx's shape {list(idx.shape)}, got "
+                         f"{num_accepted.dtype} {list(num_accepted.shape)}")
+    if num_accepted.device != pool.device:
+        raise ValueError(f"num_accepted is on {num_accepted.device}, the pool on {pool.device}")
+    _check_call(pool, idx, check)
+    if idx.numel() == 0:
+        return
+    from .reference import _record, _rows  # the reference's row rules: each slot written once, padding never
+
+    real, safe, first, src = _rows(pool, idx)
+    count = hist.count[safe]  # [B, HV]: T of each head's last step
+    n = num_accepted.long()[:, None].expand_as(count)
+    if check and bool((real[:, None] & ((n < 0) | (n > count))).any()):
+        bad = int(torch.nonzero((real[:, None] & ((n < 0) | (n > count))).any(1))[0])
+        raise ValueError(f"num_accepted[{bad}] = {int(num_accepted[bad])} is outside 0 .. T = "
+                         f"{int(count[bad].max())} of its row's last step")
+    n = torch.minimum(n.clamp_min(0), count.long())
+    L = pool.ring
+    start = hist.start[safe].long()
+    j0 = torch.where(start >= L, torch.zeros_like(start), start)
+    hcnt = torch.where(n == 0, start, j0 + n).to(torch.int32)
+    heads = torch.arange(pool.heads, device=idx.device)
+    pcum = hist.pcum[safe[:, None], heads[None, :], n]  # [B, HV, K or 1]: after the first n tokens
+    w = hist.w[safe[:, None], heads[None, :], n]
+    writes = [(pool.hcnt, hcnt), (pool.pcum, pcum), (pool.w, w), (hist.count, n.to(torch.int32))]
+    if pool.gbuf is not None:
+        # the gates of the entries taken back return to what a flush leaves and no step has written since (1): a
+        # rebuild (states, a flush) multiplies over every entry's gate
+        past = (torch.arange(L, device=idx.device) >= (j0 + n)[..., None])[..., None]  # past the entries in use
+        writes.append((pool.gbuf, torch.where(past, torch.ones((), dtype=pool.gbuf.dtype, device=idx.device),
+                                              pool.gbuf[safe])))
+    for dst, new in writes:
+        _record(pool, dst, None, new, real, safe, first, src, per_row=True)
 
 
 def op_args(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto") -> tuple:

@@ -86,6 +86,25 @@ def start_matrix(head_v: int, rank: int) -> torch.Tensor:
     return torch.stack(cols, dim=1)[:, :rank].to(torch.float32).contiguous()
 
 
+class History:
+    """What a step of T tokens per row keeps so that :func:`leapquant.accept` can take back the tokens a verifier
+    rejects (SPEC §6.1): per (slot, head) the fill count after the call's flush (``start``, int32 ``[NS, HV]``), the
+    call's T (``count``), and ``pcum`` and ``w`` after each of its first 0 .. T tokens (``pcum [NS, HV, T + 1, K or
+    1]``, ``w [NS, HV, T + 1, L]``, fp32). Everything else a rejected token wrote lies past the fill count that
+    :func:`leapquant.accept` sets, where nothing reads it."""
+
+    def __init__(self, pool: "Pool", max_tokens: int):
+        NS, HV, dev = pool.num_slots, pool.heads, pool.device
+        self.max_tokens = max_tokens
+        self.start = torch.zeros(NS, HV, dtype=torch.int32, device=dev)
+        self.count = torch.zeros(NS, HV, dtype=torch.int32, device=dev)
+        self.pcum = pool.pcum[:, :, None].repeat(1, 1, max_tokens + 1, 1)
+        self.w = pool.w[:, :, None].repeat(1, 1, max_tokens + 1, 1)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.start, self.count, self.pcum, self.w))
+
+
 class Pool:
     """Caller-owned state pool for ``num_slots`` sequence slots of ``heads`` heads each.
 
@@ -106,6 +125,8 @@ class Pool:
             to 128 bytes, back to back) or ``"engine"`` (the seed's, an fp32 state's room per head and a spare head per
             slot: about 3.5x more ``raw`` at the defaults, for engines and kernels that address it). Every backend
             takes both.
+        max_tokens: the most tokens per row a step will take (speculative decoding, SPEC §6.1; 1..L/2). Above 1 the
+            pool keeps a :class:`History` so that :func:`leapquant.accept` can take rejected tokens back.
 
     A new pool holds zero states with empty rings: codes 0, ``s_k = s_v = EPS``, factors 0, ``w = 0``,
     ``gbuf = 1``, ``pcum = 0`` (GDN: 1), ``hcnt = 0``.
@@ -125,11 +146,15 @@ class Pool:
         q0: torch.Tensor | None = None,
         iters: int = 1,
         layout: Layout = "compact",
+        max_tokens: int = 1,
     ):
         geo = Geometry(num_slots, heads, head_k, head_v, ring, rank, gate, layout)
         check_geometry(geo, convention)
         check_iters(iters)
         NS, HV, K, V, L = num_slots, heads, head_k, head_v, ring
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or not 1 <= max_tokens <= L // 2:
+            raise ValueError(f"max_tokens must be an int in 1..L/2 = {L // 2} (tokens per row of a speculative "
+                             f"step, SPEC §6.1), got {max_tokens!r}")
         device = check_device(device)
         need = pool_bytes(geo)
         have = _device_memory(device)
@@ -159,6 +184,8 @@ class Pool:
         q0 = q0.detach().to(device=device, dtype=torch.float32).contiguous()
         self._bind(geo, convention, iters, raw, kbuf, ubuf, w, pcum, gbuf, hcnt, q0)
         self.s_kv.fill_(EPS)
+        # the history accept() needs, only where steps of several tokens are asked for
+        self.history = History(self, max_tokens) if max_tokens > 1 else None
         self.check_layout()  # q0 came from the caller
 
     @classmethod
@@ -188,6 +215,7 @@ class Pool:
         for name, (dtype, shape, strides, offset) in view_layouts(geo, raw.storage_offset()).items():
             setattr(self, name, torch.empty(0, dtype=dtype, device=raw.device).set_(st, offset, shape, strides))
         self.kbuf, self.ubuf, self.w, self.pcum, self.gbuf, self.hcnt, self.q0 = kbuf, ubuf, w, pcum, gbuf, hcnt, q0
+        self.history = None
 
     def __setattr__(self, name, value) -> None:
         # a replaced tensor (or geometry) is checked again before the next launch (check_layout)

@@ -45,10 +45,18 @@ def _pairs(pool: "Pool", s: torch.Tensor, h: torch.Tensor) -> dict[str, torch.Te
     return out
 
 
-def _due(hcnt: torch.Tensor, L: int, force: bool) -> torch.Tensor:
-    """SPEC §2's due rule on fill counts: a full ring (``hcnt == L``), or with ``force`` any ring with an entry
-    (``1 <= hcnt <= L``)."""
-    return (hcnt >= 1) & (hcnt <= L) if force else hcnt == L
+def _room(force: bool | int, L: int) -> int:
+    """The entries a flush must leave room for: 1 (a full ring is due), ``L`` (``force=True``: any ring with an
+    entry), or ``T`` for a step of T tokens (SPEC §6.1: the rings that cannot hold T more)."""
+    if force is True:
+        return L
+    return max(1, int(force))
+
+
+def _due(hcnt: torch.Tensor, L: int, force: bool | int) -> torch.Tensor:
+    """SPEC §2's due rule on fill counts: a ring that cannot hold ``_room(force)`` more entries and holds one
+    (``1 <= hcnt <= L`` and ``hcnt + room > L``): a full ring by default, any ring with an entry with ``force``."""
+    return (hcnt >= 1) & (hcnt <= L) & (hcnt + _room(force, L) > L)
 
 
 def _flushed(pool: "Pool", c: dict) -> dict[str, torch.Tensor]:
@@ -75,6 +83,28 @@ def _put_rows(pool: "Pool", name: str, safe: torch.Tensor, src: torch.Tensor, fi
     dst.index_put_((safe[src][:, None].expand(N, HV), heads), final[src].to(dst.dtype))
 
 
+def _record(pool: "Pool", dst: torch.Tensor, t: int | None, values: torch.Tensor, real, safe, first, src,
+            per_row: bool = False) -> None:
+    """``dst[slot, :]`` (or ``dst[slot, :, t]``) = ``values[slot, :]`` (``per_row``: ``values[n]`` of the row n
+    naming the slot) for the slots the rows of ``idx`` name, written once per slot (the first row), nothing for
+    padding rows; no host synchronisation on CUDA."""
+    view = dst if t is None else dst[:, :, t]
+    vals = values if per_row else values[safe]
+    if not _graph_capturable(pool):
+        view[safe[first]] = vals[first].to(view.dtype)
+        return
+    new = torch.where(real.reshape((-1,) + (1,) * (view.dim() - 1)), vals.to(view.dtype), view[safe])
+    N, HV = new.shape[:2]
+    heads = torch.arange(HV, device=dst.device).expand(N, HV)
+    view.index_put_((safe[src][:, None].expand(N, HV), heads), new[src])
+
+
+def _snapshot(pool: "Pool", hist, t: int, real, safe, first, src) -> None:
+    """The pool's ``pcum`` and ``w`` of the named slots after ``t`` tokens of this call, for :func:`accept`."""
+    _record(pool, hist.pcum, t, pool.pcum, real, safe, first, src)
+    _record(pool, hist.w, t, pool.w, real, safe, first, src)
+
+
 class ReferenceBackend(Backend):
     """The fp32 reference as a backend: plain torch on any device, every shape. Slow; the definition of correct.
 
@@ -90,8 +120,9 @@ class ReferenceBackend(Backend):
     description = "fp32 torch reference (SPEC §3), any device and shape; the definition of correct, not fast"
     requirements = Requirements(devices=("cpu", "cuda"), head_dims=None, rings=None, ranks=None, heads=None)
     partial_rings = True
+    multi_token = True
 
-    def flush(self, pool: "Pool", idx: torch.Tensor, force: bool = False) -> None:
+    def flush(self, pool: "Pool", idx: torch.Tensor, force: bool | int = False) -> None:
         if idx.numel() == 0:
             return
         real, safe, first, src = _rows(pool, idx)
@@ -129,11 +160,27 @@ class ReferenceBackend(Backend):
 
     def step(self, pool: "Pool", idx: torch.Tensor, q, k, v, g, beta, scale: float, use_qk_l2norm: bool,
              out: torch.Tensor) -> None:
-        self.flush(pool, idx)
+        T = q.shape[1] if q.dim() == 4 else 1  # [N, T, ...]: T tokens per row (SPEC §6.1)
+        self.flush(pool, idx, T) if T > 1 else self.flush(pool, idx)
         if idx.numel() == 0:
             return
         real, safe, first, src = _rows(pool, idx)
-        G = pool.heads // q.shape[1]
+        G = pool.heads // q.shape[-2]
+        hist = pool.history
+        if hist is not None:
+            _record(pool, hist.start, None, pool.hcnt, real, safe, first, src)
+            _record(pool, hist.count, None, torch.full_like(pool.hcnt, T), real, safe, first, src)
+        for t in range(T):
+            tok = [x[:, t] if T > 1 else x for x in (q, k, v, g, beta, out)]
+            if hist is not None and t == 0:
+                _snapshot(pool, hist, 0, real, safe, first, src)
+            self._step_one(pool, idx, real, safe, first, src, G, *tok, scale, use_qk_l2norm)
+            if hist is not None:
+                _snapshot(pool, hist, t + 1, real, safe, first, src)
+
+    def _step_one(self, pool: "Pool", idx, real, safe, first, src, G: int, q, k, v, g, beta, out, scale: float,
+                  use_qk_l2norm: bool) -> None:
+        """One token per row (SPEC §6 steps 1-5), the full rings already flushed."""
         q, k = q.repeat_interleave(G, 1), k.repeat_interleave(G, 1)
         if not _graph_capturable(pool):
             rows = real.nonzero().reshape(-1)  # every real row's output; only the first row of a slot writes it

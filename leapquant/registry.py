@@ -91,7 +91,7 @@ def backends() -> list[BackendInfo]:
 
 
 _VERB = {"flush": "flush", "force_flush": "force-flush (partially filled rings included)", "step": "decode with",
-         "states": "load or rebuild states of"}
+         "step_tokens": "decode several tokens per row with", "states": "load or rebuild states of"}
 
 
 def _fits(b: Backend, pool: "Pool", op: str) -> tuple[bool, str]:
@@ -100,7 +100,9 @@ def _fits(b: Backend, pool: "Pool", op: str) -> tuple[bool, str]:
         ok, why = False, {"flush": "it has no flush", "step": "it has no decode step",
                           "states": "it has no load_states / states",
                           "force_flush": "it flushes full rings only (no flush(..., force=True)); the reference and "
-                                         "Triton backends flush partially filled rings"}[op]
+                                         "Triton backends flush partially filled rings",
+                          "step_tokens": "its decode step takes one token per row; the reference backend takes "
+                                         "T > 1 (SPEC §6.1)"}[op]
     return ok, why
 
 

@@ -43,6 +43,7 @@ class TritonBackend(Backend):
     )
     max_iters = 2
     partial_rings = True  # flush(..., force=True): the FORCE build of the flush kernels
+    multi_token = True  # steps of T tokens per row: one launch, the checkpoint read once (SPEC §6.1)
     not_for_auto = {"cpu": "the interpreter checks the kernel; it is far slower than the reference"}
 
     def available(self) -> tuple[bool, str]:

@@ -25,7 +25,15 @@ def scratch_words(head_k: int, head_v: int, iters: int) -> int:
     return 6 * head_v + 32 * iters + 4 + head_k
 
 
-def kernel_constants(geometry, first_slot: int, iters: int, force: bool = False) -> dict:
+def room(force: bool | int, ring: int) -> int:
+    """``FORCE`` of a flush: 0 (full rings), ``ring`` (``force=True``: every ring with an entry) or T (``force=T``,
+    before a step of T tokens: the rings that cannot hold T more, SPEC §6.1)."""
+    if force is True:
+        return ring
+    return 0 if not force or int(force) <= 1 else int(force)
+
+
+def kernel_constants(geometry, first_slot: int, iters: int, force: bool | int = False) -> dict:
     """The constexpr arguments of :func:`.flush_kernel.leapquant_flush_kernel` for a pool whose real slots start at
     ``first_slot`` (also what the AOT check compiles), but the schedule's ``LIST``, ``PDL`` and ``AHEAD``, which
     :func:`flush_pool` adds; ``force``: the forced flush's build (``FORCE``)."""
@@ -42,7 +50,7 @@ def kernel_constants(geometry, first_slot: int, iters: int, force: bool = False)
         IS_KDA=g.gate == "kda",
         SCR=scratch_words(g.head_k, g.head_v, iters),
         BF16_DOTS=not interpreting(),
-        FORCE=bool(force),
+        FORCE=room(force, g.ring),
     )
 
 
@@ -116,7 +124,8 @@ def _pool_tensors(pool) -> tuple:
     return (pool.codes, pool.s_kv, pool.uq, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.q0, pool.hcnt)
 
 
-def _plan(pool, N: int, schedule: str, nw: int, cap: int | None, device: torch.device, force: bool = False) -> _Plan:
+def _plan(pool, N: int, schedule: str, nw: int, cap: int | None, device: torch.device,
+          force: bool | int = False) -> _Plan:
     """The pool's plan for ``N`` rows and this build (:func:`.launcher.per_pool`)."""
     tensors = _pool_tensors(pool)
     key = ("flush", pool.geometry, pool.first_slot, pool.iters, N, schedule, nw, cap, device, force)
@@ -124,7 +133,7 @@ def _plan(pool, N: int, schedule: str, nw: int, cap: int | None, device: torch.d
 
 
 def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: int | None = None,
-               schedule: str | None = None, force: bool = False) -> None:
+               schedule: str | None = None, force: bool | int = False) -> None:
     """Launch the flush over ``idx`` (int32 ``[N]``) on ``pool`` in place, with no host synchronisation and the same
     launches for the same pool and ``N``.
 
@@ -134,7 +143,8 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
     :func:`schedule_for`; ``schedule``, ``num_warps`` and ``maxnreg`` override the tuned defaults (for experiments;
     ``maxnreg=0`` lifts the cap). ``force``: the forced flush (SPEC §2), partially filled rings too, their ``hcnt``
     set to L: the grid schedule built with ``FORCE``, whatever ``N`` (nearly every named ring holds an entry, and all
-    due is where the grid beats the list; docs/DESIGN.md, "Forced flush")."""
+    due is where the grid beats the list; docs/DESIGN.md, "Forced flush"); an int T: the rings that cannot hold T
+    more (SPEC §6.1)."""
     g = pool.geometry
     N = idx.numel()
     if N == 0:
@@ -145,7 +155,7 @@ def flush_pool(pool, idx: torch.Tensor, num_warps: int | None = None, maxnreg: i
     if force and schedule != "grid":
         raise ValueError("the forced flush takes the grid schedule only")
     nw, cap = warps_and_cap(g.head_k, g.head_v, num_warps, maxnreg)
-    plan = _plan(pool, N, schedule, nw, cap, idx.device, bool(force))
+    plan = _plan(pool, N, schedule, nw, cap, idx.device, room(force, g.ring))
     # from the caching allocator (inside a CUDA graph capture: the graph's pool); due programs only touch their own
     # words
     scratch = torch.empty(plan.scratch_words, dtype=torch.float32, device=idx.device)

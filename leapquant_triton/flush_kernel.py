@@ -469,8 +469,9 @@ def leapquant_flush_kernel(idx, hcnt, work, codes, skv, uq, kbuf, ubuf, w, pcum,
             return
         i_sh = i_s * HV + i_h  # int64: NS HV L K passes 2^31 at a few thousand slots
         if FORCE:
+            # due: the ring holds an entry and cannot hold FORCE more (L: any entry; T: before T tokens, SPEC §6.1)
             n_used = tl.load(hcnt + i_sh)
-            if (n_used < 1) | (n_used > L):
+            if (n_used < 1) | (n_used > L) | (n_used + FORCE <= L):
                 return
         else:
             if tl.load(hcnt + i_sh) != L:

@@ -61,6 +61,8 @@ _STEP_POINTERS = {
     "codes": "*i8", "skv": "*fp32", "uq": "*fp16", "kbuf": "*bf16", "ubuf": "*bf16", "w": "*fp32", "pcum": "*fp32",
     "gbuf": "*fp16", "hcnt": "*i32",
 }
+# the step's history (SPEC §6.1), beyond its pointers
+_HISTORY_POINTERS = {"hstart": "*i32", "hcount": "*i32", "hpcum": "*fp32", "hw": "*fp32"}
 # the states kernels' pointers beyond the flush's (the caller's states, in and out)
 _STATES_POINTERS = dict(_POINTERS, slots="*i32", states="*fp32", out="*fp32")
 # what the step's builds are named in the reports, beside the flush's SCHEDULES: the tl kernel (sm_75's FMA kernel
@@ -220,14 +222,19 @@ def compile_step(arch: int, shape: Shape, num_warps: int | None = None, gluon: b
         kernel, constexprs, options = step_build(geometry, FIRST_SLOT, True, arch, "gluon")
     else:
         kernel, constexprs, options = step_build(geometry, FIRST_SLOT, True, arch, "fma" if arch < 80 else "mma")
-        constexprs["NATIVE"] = True
+        # the larger build: T tokens per row with the history of SPEC §6.1 (at most L / 2 tokens)
+        constexprs.update(NATIVE=True, HIST=True, HT=shape.ring // 2 + 1, T=shape.ring // 2)
     if num_warps:
         options["num_warps"] = num_warps
-    ints = {k: "i32" for k in ("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "sg_n", "sg_h", "sb_n", "sb_h",
-                               "so_n", "so_h")}
-    signature = dict(_STEP_POINTERS, **ints, scale="fp32", NS="i32", HV="i32", G="i32", SS="i32", HS="i32",
-                     **{k: "constexpr" for k in constexprs})
-    rep = _build(kernel, signature, constexprs, _STEP_POINTERS, arch, options,
+    names = ("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "sg_n", "sg_h", "sb_n", "sb_h", "so_n", "so_h")
+    if not gluon:
+        names += ("sq_t", "sk_t", "sv_t", "sg_t", "sb_t", "so_t")
+    ints = {k: "i32" for k in names}
+    pointers = dict(_STEP_POINTERS, **({} if gluon else _HISTORY_POINTERS))
+    signature = {a: pointers.get(a) or ints.get(a) or ("constexpr" if a in constexprs else None)
+                 for a in kernel.arg_names}
+    signature.update(scale="fp32", NS="i32", HV="i32", G="i32", SS="i32", HS="i32")
+    rep = _build(kernel, signature, constexprs, pointers, arch, options,
                  Report(arch, shape, name, options["num_warps"], ok=False))
     rep.ok = rep.ok and rep.mma == ("none" if arch < 80 else "mma.sync")
     return rep

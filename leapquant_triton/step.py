@@ -54,12 +54,14 @@ def gluon_shape(geometry) -> bool:
     return g.head_k == 128 and g.head_v == 128 and g.ring == 16 and g.rank <= 4
 
 
-def kernel_for(geometry, capability: int | None) -> str:
+def kernel_for(geometry, capability: int | None, tokens: int = 1, history: bool = False) -> str:
     """The step kernel :func:`step_pool` launches by default for ``geometry`` on compute capability ``capability``
-    (None: the interpreter, which runs the ``mma`` kernel's fp32 twin)."""
+    (None: the interpreter, which runs the ``mma`` kernel's fp32 twin), ``tokens`` per row, on a pool that keeps a
+    history (SPEC §6.1) or not: the Gluon kernel takes one token and writes no history."""
     if uses_fma(capability):
         return "fma"
-    if capability is None or interpreting() or not gluon_shape(geometry) or gluon_kernel() is None:
+    if (capability is None or interpreting() or not gluon_shape(geometry) or gluon_kernel() is None or tokens > 1
+            or history):
         return "mma"
     return "gluon"
 
@@ -105,24 +107,35 @@ def _prepared(pool, use_qk_l2norm: bool, kernel: str | None):
     """The step's launch with the pool's tensors and constants bound once (:meth:`.launcher.Launcher.prepare`),
     prepared again when a tensor of the pool moved (:func:`.launcher.per_pool`)."""
     g = pool.geometry
+    hist = pool.history
+    capability = device_capability(pool.raw.device)
     tensors = dict(codes=pool.codes, skv=pool.s_kv, uq=pool.uq, kbuf=pool.kbuf, ubuf=pool.ubuf, w=pool.w,
                    pcum=pool.pcum, gbuf=pool.gbuf if pool.gbuf is not None else pool.w,  # GDN never reads it
                    hcnt=pool.hcnt)
+    # the history of SPEC §6.1 where the pool keeps one (else pointers never written: HIST off)
+    history = dict(hstart=hist.start if hist is not None else pool.hcnt,
+                   hcount=hist.count if hist is not None else pool.hcnt,
+                   hpcum=hist.pcum if hist is not None else pool.pcum,
+                   hw=hist.w if hist is not None else pool.w)
 
     def make():
-        fn, consts, options = step_build(g, pool.first_slot, use_qk_l2norm, device_capability(pool.raw.device),
-                                         kernel)
+        fn, consts, options = step_build(g, pool.first_slot, use_qk_l2norm, capability, kernel)
         static = dict(tensors, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, HS=g.head_stride, **consts)
+        if kernel != "gluon":  # the tl kernels take T tokens and write the history (SPEC §6.1)
+            static.update(history, HIST=hist is not None, HT=hist.max_tokens + 1 if hist is not None else 1)
         return _launcher(fn).prepare(static, options)
 
     key = ("step", g, pool.first_slot, bool(use_qk_l2norm), kernel)
-    return per_pool(pool.raw, key, tensors.values(), make)
+    return per_pool(pool.raw, key, list(tensors.values()) + list(history.values()), make)
 
 
 def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
               beta: torch.Tensor, scale: float, use_qk_l2norm: bool, out: torch.Tensor,
               kernel: str | None = None) -> None:
-    """One decode token per row of ``idx`` (int32 ``[N]``) on ``pool`` in place, ``out`` written (SPEC §6).
+    """One decode token per row of ``idx`` (int32 ``[N]``) on ``pool`` in place, ``out`` written (SPEC §6); with
+    token tensors of a token axis (``q`` ``[N, T, H, K]``, ..., ``out`` ``[N, T, HV, V]``), T tokens per row (SPEC
+    §6.1: the rings that cannot hold T more flushed first, then the tokens one after the other in one launch, the
+    checkpoint read once), and the pool's history written where it keeps one.
 
     Flushes the full rings of ``idx`` first (:func:`.flush.flush_pool`; stream order makes the step see the new
     checkpoints), then launches the step kernel ``kernel`` (default :func:`kernel_for`; the tests run each) on grid
@@ -132,9 +145,22 @@ def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     N = idx.numel()
     if N == 0:
         return
+    T = q.shape[1] if q.dim() == 4 else 1
+    dims = "nth" if T > 1 else "nh"  # the token axis second; one token: no axis, its stride unused
     strides = {f"s{name}_{d}": t.stride(i) for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("b", beta),
-                                                             ("o", out)) for i, d in enumerate("nh")}
+                                                             ("o", out)) for i, d in enumerate(dims)}
+    if T == 1:
+        strides.update({f"s{name}_t": 0 for name in "qkvgbo"})
     dynamic = dict(idx=idx, q=q, k=k, v=v, g=g, beta=beta, out=out, **strides, scale=float(scale),
-                   G=pool.heads // q.shape[1])
-    flush_pool(pool, idx)
+                   G=pool.heads // q.shape[-2])
+    history = pool.history is not None
+    kernel = kernel or kernel_for(pool.geometry, device_capability(pool.raw.device), T, history)
+    if kernel == "gluon" and (T > 1 or history):
+        raise ValueError("the Gluon step kernel takes one token per row on a pool without a history (SPEC §6.1); "
+                         "kernel='mma' takes T tokens")
+    if kernel != "gluon":
+        dynamic["T"] = T
+    else:
+        dynamic = {n: x for n, x in dynamic.items() if not n.endswith("_t")}
+    flush_pool(pool, idx, force=T if T > 1 else False)
     _prepared(pool, use_qk_l2norm, kernel)((N, pool.heads), dynamic)

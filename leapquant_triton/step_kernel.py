@@ -224,85 +224,114 @@ def _token(q, k, g, beta, hcnt, p_pc, p_w, p_gb, p_kb, i_n64, i_h, i_hv, i_sh, s
 
 
 @triton.jit
+def _history(hpcum, hw, p_pc, p_w, i_sh, t, o_k, o_l, K: tl.constexpr, L: tl.constexpr, HT: tl.constexpr,
+             IS_KDA: tl.constexpr):
+    """The pair's ``pcum`` and ``w`` as they are now into its history, after ``t`` tokens of this call (SPEC §6.1)."""
+    if IS_KDA:
+        tl.store(hpcum + (i_sh * HT + t) * K + o_k, tl.load(p_pc + o_k))
+    else:
+        tl.store(hpcum + i_sh * HT + t, tl.load(p_pc))
+    tl.store(hw + (i_sh * HT + t) * L + o_l, tl.load(p_w + o_l, mask=o_l < L, other=0.0), mask=o_l < L)
+
+
+@triton.jit
 def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, hcnt,
                           sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h, so_n, so_h, scale, NS, HV, G,
-                          SS, HS, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                          SS, HS, sq_t, sk_t, sv_t, sg_t, sb_t, so_t, hstart, hcount, hpcum, hw,
+                          FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
                           R: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr, IS_KDA: tl.constexpr,
-                          USE_QK_L2NORM: tl.constexpr, NATIVE: tl.constexpr):
-    """One token into the ring of (idx[n], hv) and ``out[n, hv] = scale S_t q``; grid (N, HV).
+                          USE_QK_L2NORM: tl.constexpr, NATIVE: tl.constexpr, HIST: tl.constexpr, HT: tl.constexpr,
+                          T: tl.constexpr):
+    """T tokens into the ring of (idx[n], hv), one after the other, and ``out[n, t, hv] = scale S_t q_t``; grid
+    (N, HV). The checkpoint is read once for all of them; the ring, gates and count between tokens go through memory
+    (this program's own rows, after a barrier).
 
-    Token tensors (any float dtype; strides ``s*_n``, ``s*_h`` of their first two dims, unit last stride): q, k
-    [N, H, K] with H = HV / G; v [N, HV, V]; g [N, HV, K] (KDA) or [N, HV]; beta [N, HV]; out [N, HV, V]. Pool:
-    ``codes``, ``skv``, ``uq`` int8, fp32, fp16 views of ``raw``, region (s, hv) at word s SS + hv HS; the ring
-    rows kbuf [L, K], ubuf [L, V], w [L], pcum [K] or [1], gbuf [L, K] (KDA; GDN: any pointer), hcnt, at row
-    s HV + hv. A row whose slot is not real gets out = 0 and writes nothing else."""
+    Token tensors (any float dtype; strides ``s*_n``, ``s*_t``, ``s*_h`` of their row, token and head dims, unit
+    last stride): q, k [N, T, H, K] with H = HV / G; v [N, T, HV, V]; g [N, T, HV, K] (KDA) or [N, T, HV]; beta
+    [N, T, HV]; out [N, T, HV, V] (T = 1: any stride ``s*_t``). Pool: ``codes``, ``skv``, ``uq`` int8, fp32, fp16
+    views of ``raw``, region (s, hv) at word s SS + hv HS; the ring rows kbuf [L, K], ubuf [L, V], w [L], pcum [K]
+    or [1], gbuf [L, K] (KDA; GDN: any pointer), hcnt, at row s HV + hv. ``HIST``: the pool's history (SPEC §6.1)
+    at row s HV + hv: ``hstart``, ``hcount`` int32, ``hpcum`` [HT, K or 1], ``hw`` [HT, L]. A row whose slot is not
+    real gets out = 0 and writes nothing else."""
     i_n, i_hv = tl.program_id(0), tl.program_id(1)
     i_n64 = i_n.to(tl.int64)
     o_k, o_v, o_l, o_c = tl.arange(0, K), tl.arange(0, V), tl.arange(0, BL), tl.arange(0, 16)
     p_o, i_s = _row(idx, out, i_n, i_n64, i_hv, so_n, so_h)
     if (i_s < FIRST) | (i_s >= NS):
-        _store_out(p_o + o_v, tl.zeros([V], dtype=tl.float32), NATIVE)
+        for t in tl.static_range(T):
+            _store_out(p_o + t * so_t + o_v, tl.zeros([V], dtype=tl.float32), NATIVE)
         return
     i_h, i_sh, o_reg = _pair(i_s, i_hv, G, HV, SS, HS)
     p_cd, p_skv, p_uq, p_kb, p_ub, p_w, p_pc, p_gb = _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf,
                                                                      o_reg, i_sh, K, V, L, IS_KDA)
-    # the codes first: the largest load, and it depends on nothing but the slot
+    if HIST:  # before the codes are in registers: nothing else is live here
+        tl.store(hstart + i_sh, tl.load(hcnt + i_sh))
+        tl.store(hcount + i_sh, T)
+        _history(hpcum, hw, p_pc, p_w, i_sh, 0, o_k, o_l, K, L, HT, IS_KDA)
+    # the codes first: the largest load, and it depends on nothing but the slot; read once for every token
     b_cd = tl.load(p_cd)
-    j, m_old, b_k, b_q, b_beta, b_pc, b_e, b_w, b_gn, b_gs, b_ck, b_cq = _token(
-        q, k, g, beta, hcnt, p_pc, p_w, p_gb, p_kb, i_n64, i_h, i_hv, i_sh, sq_n, sq_h, sk_n, sk_h, sg_n, sg_h, sb_n,
-        sb_h, o_k, o_l, K, L, IS_KDA, USE_QK_L2NORM, NATIVE)
-    # the old rank-R part: a_r = u_r . (x * decay)
-    o_r = tl.arange(0, BR)
-    b_u = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=(o_r < R)[:, None] & (o_k[None, :] < K),
-                  other=0.0).to(tl.float32)
-    b_ak = tl.sum(b_u * (b_k * b_e)[None, :], axis=1)
-    b_aq = tl.sum(b_u * (b_q * b_e)[None, :], axis=1)
-    # Dq x = (s_v / QMAX) * (C (s_k * x * decay)) for x = k and q at once: C times the keys' int8 pieces on the
-    # tensor cores, integer products and sums (exact), columns 0-3 for k, 8-11 for q
-    b_sk = tl.load(p_skv + o_k)
-    b_k1, b_k2, b_k3, b_k4, b_tk1, b_tk2 = _int8_pieces(b_k * b_e * b_sk)
-    b_q1, b_q2, b_q3, b_q4, b_tq1, b_tq2 = _int8_pieces(b_q * b_e * b_sk)
-    b_xs = _piece_columns(b_k1, b_k2, b_k3, b_k4, o_c, 0) + _piece_columns(b_q1, b_q2, b_q3, b_q4, o_c, 8)
-    if NATIVE:
-        b_d = tl.dot(b_cd, b_xs.to(tl.int8), out_dtype=tl.int32).to(tl.float32)
-    else:  # the interpreter: integers below 2^24 in fp32, the same exact sums
-        b_d = tl.dot(b_cd.to(tl.float32), b_xs.to(tl.float32), input_precision="ieee")
-    b_w1 = tl.where(o_c < 4, _pow2(-7 * o_c - b_tk1), _pow2(-7 * (o_c - 8) - b_tq1))
-    b_w2 = tl.where(o_c < 4, _pow2(-b_tk2), tl.where((o_c >= 8) & (o_c < 12), _pow2(-b_tq2), 0.0))
-    b_sv = tl.load(p_skv + K + o_v) / QMAX
-    b_acc = b_d * b_w1[None, :] * b_w2[None, :] * b_sv[:, None]
-    # + the rank-R part: q_r a_r, in the product's layout
-    for r in tl.static_range(R):
-        b_qr = tl.load(p_uq + r * (K + V) + K + o_v).to(tl.float32)
-        b_akr = tl.sum(tl.where(o_r == r, b_ak, 0.0), axis=0)
-        b_aqr = tl.sum(tl.where(o_r == r, b_aq, 0.0), axis=0)
-        b_acc += b_qr[:, None] * tl.where(o_c == 0, b_akr, tl.where(o_c == 8, b_aqr, 0.0))[None, :]
-    # + the ring: ubuf^T [V, BL] x the bf16 pieces of c_k, c_q [BL, 16] (every product exact)
-    b_ub = tl.load(p_ub + o_l[None, :] * V + o_v[:, None], mask=m_old[None, :] & (o_v[:, None] < V), other=0.0)
-    b_cc = _piece_rows(b_ck, b_cq, o_c, NATIVE)
-    if NATIVE:
-        b_acc = tl.dot(b_ub, b_cc.to(tl.bfloat16), acc=b_acc)
-    else:
-        b_acc = tl.dot(b_ub.to(tl.float32), b_cc, acc=b_acc, input_precision="ieee")
-    b_p = tl.sum(tl.where(o_c[None, :] < 8, b_acc, 0.0), axis=1)
-    b_un = _bf16(tl.load(v + i_n64 * sv_n + i_hv * sv_h + o_v).to(tl.float32) - b_p, NATIVE)
-    # the new entry (decay 1): kbuf[j] = bf16(k), w_j = beta, and what it adds to o per unit of ubuf[j]
-    b_kj = _bf16(b_k, NATIVE)
-    b_cj = b_beta * tl.sum(b_kj.to(tl.float32) * b_q, axis=0)
-    b_o = tl.sum(tl.where(o_c[None, :] >= 8, b_acc, 0.0), axis=1) + b_un.to(tl.float32) * b_cj
-    _store_out(p_o + o_v, scale * b_o, NATIVE)
-    # every warp has read pcum, w and hcnt (their layouts replicate them over warps) before any overwrites them
-    tl.debug_barrier()
-    _store_ring_row(p_pc, p_w, p_gb, p_kb, hcnt + i_sh, b_pc, b_w, b_gn, b_kj, b_beta, j, o_k, o_l, K, IS_KDA)
-    tl.store(p_ub + j * V + o_v, b_un, mask=tl.where(j >= 0, o_v < V, False))
+    for t in range(T):  # a loop, not unrolled: unrolled, T tokens keep T bodies live (KBs of spills)
+        j, m_old, b_k, b_q, b_beta, b_pc, b_e, b_w, b_gn, b_gs, b_ck, b_cq = _token(
+            q + t * sq_t, k + t * sk_t, g + t * sg_t, beta + t * sb_t, hcnt, p_pc, p_w, p_gb, p_kb, i_n64, i_h, i_hv,
+            i_sh, sq_n, sq_h, sk_n, sk_h, sg_n, sg_h, sb_n, sb_h, o_k, o_l, K, L, IS_KDA, USE_QK_L2NORM, NATIVE)
+        # the old rank-R part: a_r = u_r . (x * decay)
+        o_r = tl.arange(0, BR)
+        b_u = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=(o_r < R)[:, None] & (o_k[None, :] < K),
+                      other=0.0).to(tl.float32)
+        b_ak = tl.sum(b_u * (b_k * b_e)[None, :], axis=1)
+        b_aq = tl.sum(b_u * (b_q * b_e)[None, :], axis=1)
+        # Dq x = (s_v / QMAX) * (C (s_k * x * decay)) for x = k and q at once: C times the keys' int8 pieces on the
+        # tensor cores, integer products and sums (exact), columns 0-3 for k, 8-11 for q
+        b_sk = tl.load(p_skv + o_k)
+        b_k1, b_k2, b_k3, b_k4, b_tk1, b_tk2 = _int8_pieces(b_k * b_e * b_sk)
+        b_q1, b_q2, b_q3, b_q4, b_tq1, b_tq2 = _int8_pieces(b_q * b_e * b_sk)
+        b_xs = _piece_columns(b_k1, b_k2, b_k3, b_k4, o_c, 0) + _piece_columns(b_q1, b_q2, b_q3, b_q4, o_c, 8)
+        if NATIVE:
+            b_d = tl.dot(b_cd, b_xs.to(tl.int8), out_dtype=tl.int32).to(tl.float32)
+        else:  # the interpreter: integers below 2^24 in fp32, the same exact sums
+            b_d = tl.dot(b_cd.to(tl.float32), b_xs.to(tl.float32), input_precision="ieee")
+        b_w1 = tl.where(o_c < 4, _pow2(-7 * o_c - b_tk1), _pow2(-7 * (o_c - 8) - b_tq1))
+        b_w2 = tl.where(o_c < 4, _pow2(-b_tk2), tl.where((o_c >= 8) & (o_c < 12), _pow2(-b_tq2), 0.0))
+        b_sv = tl.load(p_skv + K + o_v) / QMAX
+        b_acc = b_d * b_w1[None, :] * b_w2[None, :] * b_sv[:, None]
+        # + the rank-R part: q_r a_r, in the product's layout
+        for r in tl.static_range(R):
+            b_qr = tl.load(p_uq + r * (K + V) + K + o_v).to(tl.float32)
+            b_akr = tl.sum(tl.where(o_r == r, b_ak, 0.0), axis=0)
+            b_aqr = tl.sum(tl.where(o_r == r, b_aq, 0.0), axis=0)
+            b_acc += b_qr[:, None] * tl.where(o_c == 0, b_akr, tl.where(o_c == 8, b_aqr, 0.0))[None, :]
+        # + the ring: ubuf^T [V, BL] x the bf16 pieces of c_k, c_q [BL, 16] (every product exact)
+        b_ub = tl.load(p_ub + o_l[None, :] * V + o_v[:, None], mask=m_old[None, :] & (o_v[:, None] < V), other=0.0)
+        b_cc = _piece_rows(b_ck, b_cq, o_c, NATIVE)
+        if NATIVE:
+            b_acc = tl.dot(b_ub, b_cc.to(tl.bfloat16), acc=b_acc)
+        else:
+            b_acc = tl.dot(b_ub.to(tl.float32), b_cc, acc=b_acc, input_precision="ieee")
+        b_p = tl.sum(tl.where(o_c[None, :] < 8, b_acc, 0.0), axis=1)
+        b_un = _bf16(tl.load(v + t * sv_t + i_n64 * sv_n + i_hv * sv_h + o_v).to(tl.float32) - b_p, NATIVE)
+        # the new entry (decay 1): kbuf[j] = bf16(k), w_j = beta, and what it adds to o per unit of ubuf[j]
+        b_kj = _bf16(b_k, NATIVE)
+        b_cj = b_beta * tl.sum(b_kj.to(tl.float32) * b_q, axis=0)
+        b_o = tl.sum(tl.where(o_c[None, :] >= 8, b_acc, 0.0), axis=1) + b_un.to(tl.float32) * b_cj
+        _store_out(p_o + t * so_t + o_v, scale * b_o, NATIVE)
+        # every warp has read pcum, w and hcnt (their layouts replicate them over warps) before any overwrites them
+        tl.debug_barrier()
+        _store_ring_row(p_pc, p_w, p_gb, p_kb, hcnt + i_sh, b_pc, b_w, b_gn, b_kj, b_beta, j, o_k, o_l, K, IS_KDA)
+        tl.store(p_ub + j * V + o_v, b_un, mask=tl.where(j >= 0, o_v < V, False))
+        # the next token (and the history) reads what this one stored
+        tl.debug_barrier()
+        if HIST:
+            _history(hpcum, hw, p_pc, p_w, i_sh, t + 1, o_k, o_l, K, L, HT, IS_KDA)
 
 
 @triton.jit
 def leapquant_step_fma_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, hcnt,
                               sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h, so_n, so_h, scale, NS, HV,
-                              G, SS, HS, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                              G, SS, HS, sq_t, sk_t, sv_t, sg_t, sb_t, so_t, hstart, hcount, hpcum, hw,
+                              FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
                               R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr, IS_KDA: tl.constexpr,
-                              USE_QK_L2NORM: tl.constexpr, NATIVE: tl.constexpr):
+                              USE_QK_L2NORM: tl.constexpr, NATIVE: tl.constexpr, HIST: tl.constexpr,
+                              HT: tl.constexpr, T: tl.constexpr):
     """:func:`leapquant_step_kernel` without tensor cores, for sm_75 (Triton cannot lower its int8 product there):
     fp32 elementwise products and sums over chunks of BV value channels, one chunk of the codes in registers at a
     time. The same arguments (but ``BV`` for ``BL``), grid and writes."""
@@ -311,47 +340,57 @@ def leapquant_step_fma_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, 
     o_k, o_v, o_l, o_r = tl.arange(0, K), tl.arange(0, V), tl.arange(0, L), tl.arange(0, BR)
     p_o, i_s = _row(idx, out, i_n, i_n64, i_hv, so_n, so_h)
     if (i_s < FIRST) | (i_s >= NS):
-        _store_out(p_o + o_v, tl.zeros([V], dtype=tl.float32), NATIVE)
+        for t in tl.static_range(T):
+            _store_out(p_o + t * so_t + o_v, tl.zeros([V], dtype=tl.float32), NATIVE)
         return
     i_h, i_sh, o_reg = _pair(i_s, i_hv, G, HV, SS, HS)
     _, p_skv, p_uq, p_kb, p_ub, p_w, p_pc, p_gb = _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, o_reg,
                                                                  i_sh, K, V, L, IS_KDA)
     p_cd = codes + o_reg * 4 + tl.arange(0, BV)[:, None] * K + o_k[None, :]
-    j, m_old, b_k, b_q, b_beta, b_pc, b_e, b_w, b_gn, b_gs, b_ck, b_cq = _token(
-        q, k, g, beta, hcnt, p_pc, p_w, p_gb, p_kb, i_n64, i_h, i_hv, i_sh, sq_n, sq_h, sk_n, sk_h, sg_n, sg_h, sb_n,
-        sb_h, o_k, o_l, K, L, IS_KDA, USE_QK_L2NORM, NATIVE)
-    # the old rank-R part: u_r . (x * decay)
-    m_r = o_r < R
-    b_u = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=m_r[:, None] & (o_k[None, :] < K),
-                  other=0.0).to(tl.float32)
-    b_xk = b_k * b_e
-    b_xq = b_q * b_e
-    b_ak = tl.sum(b_u * b_xk[None, :], axis=1)
-    b_aq = tl.sum(b_u * b_xq[None, :], axis=1)
-    # Dq x = (s_v / QMAX) * (C (s_k * x * decay))
-    b_sk = tl.load(p_skv + o_k)
-    b_xk *= b_sk
-    b_xq *= b_sk
-    # the new entry (decay 1): kbuf[j] = bf16(k), w_j = beta, and what it adds to o per unit of ubuf[j]
-    b_kj = _bf16(b_k, NATIVE)
-    b_cj = b_beta * tl.sum(b_kj.to(tl.float32) * b_q, axis=0)
-    # every warp has read pcum, w and hcnt (their layouts replicate them over warps) before any overwrites them
-    tl.debug_barrier()
-    _store_ring_row(p_pc, p_w, p_gb, p_kb, hcnt + i_sh, b_pc, b_w, b_gn, b_kj, b_beta, j, o_k, o_l, K, IS_KDA)
-    p_v = v + i_n64 * sv_n + i_hv * sv_h
-    for c in tl.static_range(V // BV):
-        o_vc = c * BV + tl.arange(0, BV)
-        m_vc = o_vc < V
-        b_cf = tl.load(p_cd + c * BV * K).to(tl.float32)
-        b_sv = tl.load(p_skv + K + o_vc) / QMAX
-        b_qf = tl.load(p_uq + o_r[None, :] * (K + V) + K + o_vc[:, None], mask=m_r[None, :] & m_vc[:, None],
-                       other=0.0).to(tl.float32)
-        b_ub = tl.load(p_ub + o_l[:, None] * V + o_vc[None, :], mask=m_old[:, None] & m_vc[None, :],
-                       other=0.0).to(tl.float32)
-        b_p = (b_sv * tl.sum(b_cf * b_xk[None, :], axis=1) + tl.sum(b_qf * b_ak[None, :], axis=1)
-               + tl.sum(b_ub * b_ck[:, None], axis=0))
-        b_un = _bf16(tl.load(p_v + o_vc).to(tl.float32) - b_p, NATIVE)
-        tl.store(p_ub + j * V + o_vc, b_un, mask=tl.where(j >= 0, m_vc, False))
-        b_o = (b_sv * tl.sum(b_cf * b_xq[None, :], axis=1) + tl.sum(b_qf * b_aq[None, :], axis=1)
-               + tl.sum(b_ub * b_cq[:, None], axis=0) + b_un.to(tl.float32) * b_cj)
-        _store_out(p_o + o_vc, scale * b_o, NATIVE)
+    if HIST:
+        tl.store(hstart + i_sh, tl.load(hcnt + i_sh))
+        tl.store(hcount + i_sh, T)
+        _history(hpcum, hw, p_pc, p_w, i_sh, 0, o_k, o_l, K, L, HT, IS_KDA)
+    for t in range(T):  # a loop, not unrolled: unrolled, T tokens keep T bodies live (KBs of spills)
+        j, m_old, b_k, b_q, b_beta, b_pc, b_e, b_w, b_gn, b_gs, b_ck, b_cq = _token(
+            q + t * sq_t, k + t * sk_t, g + t * sg_t, beta + t * sb_t, hcnt, p_pc, p_w, p_gb, p_kb, i_n64, i_h, i_hv,
+            i_sh, sq_n, sq_h, sk_n, sk_h, sg_n, sg_h, sb_n, sb_h, o_k, o_l, K, L, IS_KDA, USE_QK_L2NORM, NATIVE)
+        # the old rank-R part: u_r . (x * decay)
+        m_r = o_r < R
+        b_u = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=m_r[:, None] & (o_k[None, :] < K),
+                      other=0.0).to(tl.float32)
+        b_xk = b_k * b_e
+        b_xq = b_q * b_e
+        b_ak = tl.sum(b_u * b_xk[None, :], axis=1)
+        b_aq = tl.sum(b_u * b_xq[None, :], axis=1)
+        # Dq x = (s_v / QMAX) * (C (s_k * x * decay))
+        b_sk = tl.load(p_skv + o_k)
+        b_xk *= b_sk
+        b_xq *= b_sk
+        # the new entry (decay 1): kbuf[j] = bf16(k), w_j = beta, and what it adds to o per unit of ubuf[j]
+        b_kj = _bf16(b_k, NATIVE)
+        b_cj = b_beta * tl.sum(b_kj.to(tl.float32) * b_q, axis=0)
+        # every warp has read pcum, w and hcnt (their layouts replicate them over warps) before any overwrites them
+        tl.debug_barrier()
+        _store_ring_row(p_pc, p_w, p_gb, p_kb, hcnt + i_sh, b_pc, b_w, b_gn, b_kj, b_beta, j, o_k, o_l, K, IS_KDA)
+        p_v = v + t * sv_t + i_n64 * sv_n + i_hv * sv_h
+        for c in tl.static_range(V // BV):
+            o_vc = c * BV + tl.arange(0, BV)
+            m_vc = o_vc < V
+            b_cf = tl.load(p_cd + c * BV * K).to(tl.float32)
+            b_sv = tl.load(p_skv + K + o_vc) / QMAX
+            b_qf = tl.load(p_uq + o_r[None, :] * (K + V) + K + o_vc[:, None], mask=m_r[None, :] & m_vc[:, None],
+                           other=0.0).to(tl.float32)
+            b_ub = tl.load(p_ub + o_l[:, None] * V + o_vc[None, :], mask=m_old[:, None] & m_vc[None, :],
+                           other=0.0).to(tl.float32)
+            b_p = (b_sv * tl.sum(b_cf * b_xk[None, :], axis=1) + tl.sum(b_qf * b_ak[None, :], axis=1)
+                   + tl.sum(b_ub * b_ck[:, None], axis=0))
+            b_un = _bf16(tl.load(p_v + o_vc).to(tl.float32) - b_p, NATIVE)
+            tl.store(p_ub + j * V + o_vc, b_un, mask=tl.where(j >= 0, m_vc, False))
+            b_o = (b_sv * tl.sum(b_cf * b_xq[None, :], axis=1) + tl.sum(b_qf * b_aq[None, :], axis=1)
+                   + tl.sum(b_ub * b_cq[:, None], axis=0) + b_un.to(tl.float32) * b_cj)
+            _store_out(p_o + t * so_t + o_vc, scale * b_o, NATIVE)
+        # the next token (and the history) reads what this one stored
+        tl.debug_barrier()
+        if HIST:
+            _history(hpcum, hw, p_pc, p_w, i_sh, t + 1, o_k, o_l, K, L, HT, IS_KDA)

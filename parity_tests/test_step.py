@@ -155,7 +155,9 @@ def test_bad_inputs_are_named():
         (dict(v=v.to(torch.int32)), TypeError, "v must be float32"),
         (dict(g=g[..., 0]), ValueError, "g must have 3 dimensions"),
         (dict(beta=beta.t().contiguous().t()), ValueError, "beta must have a unit stride"),
-        (dict(q=torch.randn(2, 2, 2, 64)), ValueError, "one of its first two must be 1"),
+        (dict(q=torch.randn(3, 2, 2, 64)), ValueError, "one of its first two must be 1"),
+        # [B, T, H, K] with T > 1 is a step of T tokens (SPEC §6.1): every token tensor then has the axis
+        (dict(q=torch.randn(2, 2, 2, 64)), ValueError, "k must be \\[B, T, ...\\] with B = 2 rows and T = 2"),
         (dict(out=torch.empty(2, 2, 64, dtype=torch.bfloat16)), TypeError, "out must have q's dtype"),
         (dict(q=torch.randn(2, 3, 64)), ValueError, "H dividing HV"),
     ]

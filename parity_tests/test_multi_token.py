@@ -1,0 +1,265 @@
+"""Steps of T tokens per row and their rollback (SPEC §6.1), on the reference backend.
+
+The oracle is the one-token step the rest of the suite holds to the contract: a pool that took a T-token call must
+hold what a twin holds after the same flush (the rings that cannot hold T more entries) and T one-token
+``leapquant.step`` calls; after ``accept(n)``, what a twin holds after that flush and n one-token calls (bit for bit
+in every byte something reads: the fill counts, ``pcum``, ``w``, the checkpoints, the ring entries below the count),
+and both go on alike: the next step's output, ``states()`` and a forced flush.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import leapquant
+from leapquant import parity
+from leapquant.reference import ReferenceBackend
+from leapquant.tools.workloads import fill
+
+REF = ReferenceBackend()
+
+
+def _pool(gate: str, T: int, L: int = 8, HV: int = 4, seed: int = 0, counts=None, max_tokens=None):
+    """A pool of 6 slots (slot 0 the vLLM null slot), rings filled by the gaussian workload, counts as given."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = leapquant.Pool(6, HV, 64, 64, L, 2, gate=gate, max_tokens=max_tokens or T)
+    slots = torch.arange(1, 6)
+    fill(pool, slots, "gaussian", gen)
+    if counts is None:
+        counts = torch.randint(0, L + 1, (5, HV), generator=gen)
+    pool.hcnt[1:6] = torch.as_tensor(counts, dtype=torch.int32)
+    L_ = pool.ring
+    past = torch.arange(L_) >= pool.hcnt[..., None]  # entries past the count hold what a flush leaves
+    pool.w.masked_fill_(past, 0.0)
+    if pool.gbuf is not None:
+        pool.gbuf.masked_fill_(past[..., None], 1.0)
+    return pool, gen
+
+
+def _tokens(pool, B: int, T: int, H: int, gen):
+    K, V, HV = pool.head_k, pool.head_v, pool.heads
+    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    g = (-0.3 * torch.rand(B, T, HV, K, generator=gen) if pool.gate == "kda"
+         else -0.3 * torch.rand(B, T, HV, generator=gen))
+    return dict(q=rnd(B, T, H, K), k=torch.nn.functional.normalize(rnd(B, T, H, K), dim=-1), v=rnd(B, T, HV, V),
+                g=g, beta=torch.rand(B, T, HV, generator=gen))
+
+
+def _twin(pool):
+    """A pool holding ``pool``'s bytes and history (parity.twin makes one without)."""
+    g = pool.geometry
+    other = leapquant.Pool(g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, gate=g.gate,
+                           q0=pool.q0.clone(), max_tokens=pool.history.max_tokens)
+    parity.restore(other, parity.snapshot(pool))
+    for name in ("start", "count", "pcum", "w"):
+        getattr(other.history, name).copy_(getattr(pool.history, name))
+    return other
+
+
+def _one_by_one(pool, idx, tok: dict, n: int):
+    """The oracle: the flush of the rings that cannot hold T more (the room rule of SPEC §6.1), then n one-token
+    steps through the public API; returns their outputs ``[B, n, HV, V]``."""
+    T = tok["q"].shape[1]
+    REF.flush(pool, idx, T)
+    outs = [leapquant.step(pool, idx, *(tok[x][:, t] for x in ("q", "k", "v", "g", "beta")), backend="reference")
+            for t in range(n)]
+    return torch.stack(outs, 1) if outs else None
+
+
+def _read_bytes_equal(a, b) -> list[str]:
+    """The names of the tensors whose bytes something reads differ: counts, gates, weights, checkpoints, and the
+    ring entries below each count (entries at or past it are never read, SPEC §6)."""
+    bad = [n for n in ("hcnt", "pcum", "w", "raw") if not torch.equal(parity.as_bytes(getattr(a, n)),
+                                                                       parity.as_bytes(getattr(b, n)))]
+    from leapquant.formulas import ring_empty
+
+    L = a.ring
+    # a full ring is read whole (by its flush); a flushed one (count L, the state a flush leaves) not at all
+    j = torch.where((a.hcnt >= L) & ring_empty(a.w, a.pcum, a.gate), torch.zeros_like(a.hcnt), a.hcnt)
+    live = torch.arange(L) < j[..., None]
+    for n in ("kbuf", "ubuf", "gbuf"):
+        x, y = getattr(a, n), getattr(b, n)
+        if x is not None and not torch.equal(x[live], y[live]):
+            bad.append(n)
+    return bad
+
+
+CASES = [("kda", 2, 2), ("gdn", 2, 1), ("kda", 4, 2), ("gdn", 3, 4), ("kda", 8, 4), ("gdn", 8, 2)]
+
+
+@pytest.mark.parametrize("gate,T,H", CASES, ids=[f"{g}-T{t}-H{h}" for g, t, h in CASES])
+def test_tokens_match_one_token_steps(gate, T, H):
+    """A T-token call (grouped value heads when H < HV; rings full, flushed, partial, empty) equals the room
+    flush then T one-token steps: the outputs and every byte read."""
+    L = 16 if T > 4 else 8
+    pool, gen = _pool(gate, T, L=L, seed=T)
+    idx = torch.tensor([2, 0, 5, 1, 3], dtype=torch.int32)  # row 1 pads (vLLM)
+    tok = _tokens(pool, idx.numel(), T, H, gen)
+    other = _twin(pool)
+    o = leapquant.step(pool, idx, **tok, backend="reference")
+    want = _one_by_one(other, idx, tok, T)
+    assert o.shape == (idx.numel(), T, pool.heads, pool.head_v)
+    assert torch.equal(o, want)
+    assert bool((o[1] == 0).all()), "a padding row's output is 0"
+    assert _read_bytes_equal(pool, other) == []
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_room_rule(gate):
+    """Exactly the (slot, head) pairs whose ring holds an entry and cannot hold T more are flushed first: their
+    checkpoint changes and the call starts them at entry 0; the others keep their checkpoint."""
+    T, L = 3, 8
+    counts = torch.tensor([[0, 1, 5, 6], [7, 8, 3, 2], [8, 8, 8, 8], [4, 5, 6, 0], [1, 2, 3, 4]])
+    pool, gen = _pool(gate, T, L=L, counts=counts)
+    before = pool.codes.clone()
+    idx = torch.arange(1, 6, dtype=torch.int32)
+    leapquant.step(pool, idx, **_tokens(pool, 5, T, 4, gen), backend="reference")
+    due = (counts >= 1) & (counts + T > L)
+    changed = (pool.codes[1:6] != before[1:6]).flatten(2).any(-1)
+    assert torch.equal(changed, due)
+    assert torch.equal(pool.history.start[1:6], torch.where(due, torch.full_like(counts, L), counts).int())
+    assert torch.equal(pool.hcnt[1:6], torch.where(due, torch.zeros_like(counts), counts).int() + T)
+
+
+@pytest.mark.parametrize("gate,T", [("kda", 3), ("gdn", 4)])
+def test_accept_matches_a_pool_of_the_accepted_tokens(gate, T):
+    """After ``accept`` with every ``num_accepted`` in 0..T (one value per row), the pool holds what a twin holds
+    after the room flush and that many one-token steps, and both go on alike: the next token's output, the states
+    and a forced flush."""
+    L = 8
+    for n_first in range(T + 1):
+        pool, gen = _pool(gate, T, L=L, seed=10 + n_first)
+        idx = torch.tensor([4, 1, 0, 3, 2], dtype=torch.int32)
+        B = idx.numel()
+        n = torch.tensor([n_first, (n_first + 1) % (T + 1), 0, T, (n_first + 2) % (T + 1)], dtype=torch.int32)
+        tok = _tokens(pool, B, T, 2, gen)
+        other = _twin(pool)
+        leapquant.step(pool, idx, **tok, backend="reference")
+        leapquant.accept(pool, idx, n)
+        # the oracle: each row's own number of one-token steps after the room flush
+        REF.flush(other, idx, T)
+        for t in range(T):
+            rows = (n > t) & (idx != 0)
+            if bool(rows.any()):
+                sub = idx[rows]
+                leapquant.step(other, sub, *(tok[x][rows, t] for x in ("q", "k", "v", "g", "beta")),
+                               backend="reference")
+        assert _read_bytes_equal(pool, other) == [], n.tolist()
+        nxt = _tokens(pool, B, 1, 2, gen)
+        args = [nxt[x][:, 0] for x in ("q", "k", "v", "g", "beta")]
+        assert torch.equal(leapquant.step(pool, idx, *args, backend="reference"),
+                           leapquant.step(other, idx, *args, backend="reference"))
+        slots = torch.arange(1, 6)
+        assert torch.equal(pool.states(slots, backend="reference"), other.states(slots, backend="reference"))
+        leapquant.flush(pool, idx, force=True, backend="reference")
+        leapquant.flush(other, idx, force=True, backend="reference")
+        assert _read_bytes_equal(pool, other) == []
+
+
+def test_step_num_accepted_is_accept_then_step():
+    """``step(..., num_accepted=n)`` is ``accept(n)`` then the step."""
+    pool, gen = _pool("kda", 2, seed=3)
+    idx = torch.tensor([1, 2, 3], dtype=torch.int32)
+    leapquant.step(pool, idx, **_tokens(pool, 3, 2, 4, gen), backend="reference")
+    other = _twin(pool)
+    n = torch.tensor([0, 2, 1], dtype=torch.int32)
+    tok = _tokens(pool, 3, 2, 4, gen)
+    o = leapquant.step(pool, idx, **tok, num_accepted=n, backend="reference")
+    leapquant.accept(other, idx, n)
+    assert torch.equal(o, leapquant.step(other, idx, **tok, backend="reference"))
+    assert _read_bytes_equal(pool, other) == []
+
+
+def test_accept_leaves_padding_and_unnamed_slots():
+    """Rows that name no real slot, and slots no row names, keep every byte."""
+    pool, gen = _pool("gdn", 2, seed=4)
+    idx = torch.tensor([1, 0, 2], dtype=torch.int32)
+    leapquant.step(pool, idx, **_tokens(pool, 3, 2, 4, gen), backend="reference")
+    before = parity.snapshot(pool)
+    leapquant.accept(pool, idx, torch.tensor([1, 0, 0], dtype=torch.int32))
+    after = parity.snapshot(pool)
+    for name in ("hcnt", "w", "pcum"):
+        shape = getattr(pool, name).shape
+        b, a = (x.view(shape[0], -1) for x in (before[name], after[name]))
+        assert torch.equal(a[[0, 3, 4, 5]], b[[0, 3, 4, 5]]), name
+
+
+def test_errors():
+    pool, gen = _pool("kda", 2, L=8, seed=5)
+    idx = torch.tensor([1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="at most L / 2 = 4 tokens"):
+        leapquant.step(pool, idx, **_tokens(pool, 2, 5, 4, gen), backend="reference")
+    with pytest.raises(ValueError, match="history for 2 tokens"):
+        leapquant.step(pool, idx, **_tokens(pool, 2, 3, 4, gen), backend="reference")
+    tok = _tokens(pool, 2, 2, 4, gen)
+    tok["v"] = tok["v"][:, :1]
+    with pytest.raises(ValueError, match="v must be \\[B, T, ...\\]"):
+        leapquant.step(pool, idx, **tok, backend="reference")
+    leapquant.step(pool, idx, **_tokens(pool, 2, 2, 4, gen), backend="reference")
+    with pytest.raises(ValueError, match="outside 0 .. T = 2"):
+        leapquant.accept(pool, idx, torch.tensor([3, 0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="int32 or int64"):
+        leapquant.accept(pool, idx, torch.tensor([1.0, 0.0]))
+    with pytest.raises(ValueError, match="max_tokens"):
+        leapquant.Pool(3, 2, 64, 64, 8, 2, max_tokens=5)
+    plain = leapquant.Pool(3, 2, 64, 64, 8, 2)
+    with pytest.raises(ValueError, match="max_tokens=T"):
+        leapquant.accept(plain, idx, torch.tensor([1, 0], dtype=torch.int32))
+
+
+TRITON_CASES = [("kda", 3, 2, None), ("gdn", 2, 1, None), ("kda", 2, 4, "fma")]
+
+
+@pytest.mark.parametrize("gate,T,H,kernel", TRITON_CASES, ids=[f"{c[0]}-T{c[1]}-{c[3] or 'auto'}" for c in TRITON_CASES])
+def test_triton_tokens_and_accept(gate, T, H, kernel):
+    """The Triton step of T tokens (one launch, the checkpoint read once; the interpreter on a CPU) against the
+    reference's: outputs within SPEC §6's 1e-5, the ring and counts as the reference writes them (new ``ubuf``
+    entries within one bf16 ulp), the history the same; then ``accept`` on both leaves the same pool."""
+    pytest.importorskip("triton")
+    from leapquant_triton.flush import flush_pool
+    from leapquant_triton.step import step_pool
+
+    pool, gen = _pool(gate, T, L=8, seed=20 + T)
+    idx = torch.tensor([3, 0, 1, 5], dtype=torch.int32)
+    tok = _tokens(pool, idx.numel(), T, H, gen)
+    other = _twin(pool)
+    # the flushes inside with the Triton flush on both (a flush meets SPEC §4, not bit equality): the reference's
+    # room flush then finds those rings flushed
+    flush_pool(other, idx, force=T)
+    want = leapquant.step(other, idx, **tok, backend="reference")
+    out = torch.full_like(want, float("nan"))
+    step_pool(pool, idx, **tok, scale=pool.head_k ** -0.5, use_qk_l2norm=False, out=out, kernel=kernel) \
+        if "kernel" in step_pool.__code__.co_varnames else \
+        step_pool(pool, idx, **tok, scale=pool.head_k ** -0.5, use_qk_l2norm=False, out=out, fma=kernel == "fma")
+    rel = (out - want).norm(dim=-1) / want.norm(dim=-1).clamp_min(1e-30)
+    assert float(rel[want.norm(dim=-1) > 0].max()) <= 1e-5
+    assert bool((out[1] == 0).all())
+    for name in ("hcnt", "w", "pcum", "kbuf", "gbuf"):
+        a, b = getattr(pool, name), getattr(other, name)
+        if a is not None:
+            assert torch.allclose(a.float(), b.float(), rtol=0, atol=0) or name in ("pcum", "w") and \
+                torch.allclose(a, b, rtol=4e-7, atol=0), name
+    ulp = (pool.ubuf.view(torch.int16).int() - other.ubuf.view(torch.int16).int()).abs()
+    assert int(ulp.max()) <= 1
+    assert torch.equal(pool.history.count, other.history.count)
+    assert torch.equal(pool.history.start, other.history.start)
+    assert torch.allclose(pool.history.pcum, other.history.pcum, rtol=4e-7, atol=0)
+    assert torch.allclose(pool.history.w, other.history.w, rtol=4e-7, atol=0)
+    n = torch.tensor([1, 0, T, 0], dtype=torch.int32)
+    leapquant.accept(pool, idx, n)
+    leapquant.accept(other, idx, n)
+    assert torch.equal(pool.hcnt, other.hcnt)
+
+
+def test_a_backend_of_one_token_refuses_several():
+    """A backend whose step takes one token per row is refused T > 1 with a clear BackendError."""
+    from leapquant.backends import BackendError
+    from leapquant.registry import _fits
+
+    class OneToken(ReferenceBackend):
+        multi_token = False
+
+    ok, why = _fits(OneToken(), _pool("kda", 2, seed=6)[0], "step_tokens")
+    assert not ok and "one token per row" in why
+    assert BackendError
