@@ -82,10 +82,13 @@ FLA_CASES = ("fla fp32", "fla bf16")
 SWEEP = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CPU_SWEEP = (1, 2, 4)
 # issue 38's bounds: (case, what it is divided by, at most); per layout, the LeapQuant names take the layout's suffix
+# and issue 36's: a verify of VERIFY_T tokens per row at most 1.6x a one-token step
+VERIFY_T = 4
+VERIFY = f"verify T={VERIFY_T} (fill 8)"
 BOUNDS = (("step fill 8", "floor", 1.5), ("decode layer", "step fill 8", 1.15), ("decode layer", "fla fp32", 0.3),
-          ("decode layer", "fla bf16", 0.5))
+          ("decode layer", "fla bf16", 0.5), (VERIFY, "step fill 8", 1.6))
 BOUNDS_TEXT = ("step fill 8 <= 1.5x its floor; decode layer <= 1.15x step fill 8, <= 0.3x fla fp32, "
-               "<= 0.5x fla bf16")
+               f"<= 0.5x fla bf16; {VERIFY} <= 1.6x step fill 8")
 SUFFIX = {"engine": "", "compact": " (compact)"}
 
 
@@ -106,6 +109,16 @@ def step_bytes(pool: leapquant.Pool, entries_read: int, key_heads: int, in_size:
     written = per_entry + (4 * entries_read if not kda else 0)  # GDN rewrites the decayed weights
     inputs = 2 * K * in_size * key_heads / pool.heads + V * in_size + (4 * K if kda else 4) + 4
     return int(checkpoint + entries_read * per_entry + gate_state + written + inputs + V * out_size)
+
+
+def verify_bytes(pool: leapquant.Pool, entries_read: int, tokens: int, key_heads: int) -> int:
+    """What a step of ``tokens`` tokens per (row, value head) must move: one token's step, and for each further token
+    its inputs and output and the entry it writes (the checkpoint and the older entries are read once)."""
+    K, V = pool.head_k, pool.head_v
+    kda = pool.gate == "kda"
+    per_entry = 2 * K + 2 * V + 4 + (2 * K if kda else 0)
+    inputs = 2 * K * 2 * key_heads / pool.heads + V * 2 + (4 * K if kda else 4) + 4
+    return int(step_bytes(pool, entries_read, key_heads, 2, 2) + (tokens - 1) * (per_entry + inputs + V * 2))
 
 
 def layer_bytes(pool: leapquant.Pool, fills: torch.Tensor, key_heads: int) -> int:
@@ -257,7 +270,8 @@ def _attempt(name: str, run, **extra) -> dict:
         return _failed(name, e, **extra)
 
 
-def leapquant_rows(timer: Timer, s: Setup, backend: str, fills=FILLS, compact: bool = True) -> list[dict]:
+def leapquant_rows(timer: Timer, s: Setup, backend: str, fills=FILLS, compact: bool = True,
+                   verify: bool = True) -> list[dict]:
     """``step fill f`` for each of ``fills`` and ``decode layer`` on the engine layout, then (``compact``)
     ``step fill 8 (compact)`` and ``decode layer (compact)``."""
     _, step_backend = _fill_and_name()
@@ -302,7 +316,24 @@ def leapquant_rows(timer: Timer, s: Setup, backend: str, fills=FILLS, compact: b
         rows.append(_attempt(names[-1], lambda name=names[-1], pool=pool, step=step: timer(
             name, step, restorer(s.layer_fills), layer_bytes(pool, s.layer_fills, H), due=due, layout=layout,
             backend=chosen), layout=layout))
+        if layout == "engine" and verify:
+            rows.append(_attempt(VERIFY, lambda pool=pool, restorer=restorer: _verify(timer, s, pool, backend,
+                                                                                        restorer), layout=layout))
     return rows
+
+
+def _verify(timer, s, pool, backend: str, restorer) -> dict:
+    """``VERIFY``: ``VERIFY_T`` draft tokens per row in one call (speculative decoding, SPEC §6.1), every ring holding
+    7 entries (no flush inside); the tokens are the step's, repeated (their values do not change the work)."""
+    B, HV, T = s.idx.numel(), pool.heads, VERIFY_T
+    if not hasattr(leapquant, "accept"):
+        raise Unsupported("this tree's step takes one token per row")
+    many = [x[:, None].expand(x.shape[0], T, *x.shape[1:]).contiguous() for x in (s.q, s.k, s.v, s.g, s.beta)]
+    out = torch.empty(B, T, HV, pool.head_v, dtype=s.out.dtype, device=s.out.device)
+    step = lambda: leapquant.step(pool, s.idx, *many, out=out, backend=backend, check=False)  # noqa: E731
+    return timer(VERIFY, step, restorer(torch.full((B, HV), 7)), B * HV * verify_bytes(pool, 7, T, s.key_heads),
+                 fill=8, tokens=T, layout="engine",
+                 backend=leapquant.select(pool, backend, op="step_tokens").name)
 
 
 def fla_step(s: Setup, state: torch.Tensor, out: torch.Tensor):
@@ -345,7 +376,8 @@ def _memory(gate: str, heads: int, head_dim: int, ring: int, rank: int) -> dict 
 
 
 def _planned(with_fla: bool) -> list[str]:
-    return ([f"step fill {f}" for f in FILLS] + ["decode layer"] + [f"step fill {f} (compact)" for f in COMPACT_FILLS]
+    return ([f"step fill {f}" for f in FILLS] + ["decode layer", VERIFY]
+            + [f"step fill {f} (compact)" for f in COMPACT_FILLS]
             + ["decode layer (compact)"] + (list(FLA_CASES) if with_fla else []))
 
 
@@ -386,7 +418,7 @@ def sweep_rows(timer: Timer, device, gate: str, batches, heads: int, key_heads: 
             rows += [dict(_failed(n, e), batch=B) for n in names]
             continue
         timer.label = f"{gate} B={B:<4} "
-        point = leapquant_rows(timer, s, backend, fills=(), compact=False) + (fla_rows(timer, s) if with_fla else [])
+        point = leapquant_rows(timer, s, backend, fills=(), compact=False, verify=False) + (fla_rows(timer, s) if with_fla else [])
         rows += [{"batch": B, **r} for r in point]
         del s, point
         if device.type == "cuda":
@@ -402,6 +434,8 @@ def bounds(rows: list[dict]) -> list[dict]:
     out = []
     for layout, sfx in SUFFIX.items():
         for case, against, bound in BOUNDS:
+            if case == VERIFY and layout != "engine":  # timed on the engine layout only
+                continue
             num = case + sfx
             den = against if against == "floor" or against.startswith("fla") else against + sfx
             row = {"layout": layout, "case": num, "against": den, "bound": bound, "ratio": None, "met": None}

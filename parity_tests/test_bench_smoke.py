@@ -82,10 +82,10 @@ def test_host_overhead_smoke(tmp_path):
     assert "| reference |" in md and "| nonesuch | unknown backend |" in md and "| n/a |" in md
 
 
-DECODE_CASES = ["step fill 1", "step fill 8", "step fill 15", "decode layer", "step fill 8 (compact)",
-                "decode layer (compact)"]
+DECODE_CASES = ["step fill 1", "step fill 8", "step fill 15", "decode layer", "verify T=4 (fill 8)",
+                "step fill 8 (compact)", "decode layer (compact)"]
 BOUNDS_LINE = ("Bounds (issue 38): step fill 8 <= 1.5x its floor; decode layer <= 1.15x step fill 8, <= 0.3x fla fp32, "
-               "<= 0.5x fla bf16.")
+               "<= 0.5x fla bf16; verify T=4 (fill 8) <= 1.6x step fill 8.")
 
 
 def _section(md: str, heading: str) -> str:
@@ -117,12 +117,16 @@ def test_decode_bench_smoke(tmp_path):
         assert rows["step fill 8 (compact)"]["bytes"] == rows["step fill 8"]["bytes"]
         assert rows["decode layer (compact)"]["bytes"] == rows["decode layer"]["bytes"]
         assert rows["decode layer"]["due"] == rows["decode layer (compact)"]["due"] >= 1
+        # a verify of 4 tokens moves more than one token's step, less than four
+        assert rows["step fill 8"]["bytes"] < rows["verify T=4 (fill 8)"]["bytes"] < 4 * rows["step fill 8"]["bytes"]
         assert section["pool_slots"] == 5 and section["backend"] == {"engine": "reference", "compact": "reference"}
         m = section["memory_per_sequence"]
         assert m["fp32"] == 2 * m["bf16"] == 2 * 2 * 64 * 64 * 2 and m["leapquant_compact"] < m["leapquant_engine"]
         # the bounds: LeapQuant's own ratios measured and judged, FLA's not timed (no FLA in the smoke run)
         b = {(x["layout"], x["case"], x["against"]): x for x in section["bounds"]}
-        assert len(b) == 8
+        assert len(b) == 9
+        ver = b[("engine", "verify T=4 (fill 8)", "step fill 8")]
+        assert ver["ratio"] == rows["verify T=4 (fill 8)"]["median_us"] / rows["step fill 8"]["median_us"]
         f8 = b[("compact", "step fill 8 (compact)", "floor")]
         assert f8["ratio"] == rows["step fill 8 (compact)"]["x_floor"] and f8["met"] == (f8["ratio"] <= 1.5)
         lay = b[("engine", "decode layer", "step fill 8")]
@@ -164,7 +168,9 @@ def test_decode_bounds_are_judged_per_layout():
     rows = [row("step fill 8", 150.0, 100.0), row("decode layer", 172.0), row("fla fp32", 600.0),
             row("fla bf16", 340.0), row("step fill 8 (compact)", 151.0, 100.0), row("decode layer (compact)", 100.0),
             {"case": "fla fp32@baseline", "status": "ok", "median_us": 1.0}]
-    b = {(x["layout"], x["against"]): x for x in decode.bounds(rows)}
+    b = {(x["layout"], x["against"]): x for x in decode.bounds(rows) if x["case"] != decode.VERIFY}
+    ver = [x for x in decode.bounds(rows) if x["case"] == decode.VERIFY]
+    assert [(x["layout"], x["met"], x["reason"]) for x in ver] == [("engine", None, "verify T=4 (fill 8) not timed")]
     assert b[("engine", "floor")]["met"] is True  # 1.5 <= 1.5
     assert b[("engine", "step fill 8")]["met"] is True  # 172 / 150 = 1.147
     assert b[("engine", "fla fp32")]["met"] is True and b[("engine", "fla bf16")]["met"] is False  # 0.287, 0.506
@@ -176,7 +182,7 @@ def test_decode_bounds_are_judged_per_layout():
     assert "step fill 8 / its floor = 1.50x (bound 1.5x: met)" in lines[1]
     assert "decode layer / fla bf16 = 0.51x (bound 0.5x: missed)" in lines[1]
     assert "step fill 8 (compact) / its floor = 1.51x (bound 1.5x: missed)" in lines[2]
-    b = {(x["layout"], x["against"]): x for x in decode.bounds(rows[:2])}
+    b = {(x["layout"], x["against"]): x for x in decode.bounds(rows[:2]) if x["case"] != decode.VERIFY}
     assert b[("engine", "fla fp32")]["met"] is None and b[("engine", "fla fp32")]["reason"] == "fla fp32 not timed"
     assert b[("compact", "step fill 8 (compact)")]["reason"] == ("decode layer (compact) and step fill 8 (compact) "
                                                                  "not timed")
