@@ -20,7 +20,13 @@ from leapquant.tools.workloads import fill
 from .strategies import random_bits
 
 PATHS = ["exact", "graph"]
+# on a GPU the pools live there (both variants then take the path without synchronisation, CUDA's)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RINGS = ("kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt")
+
+
+def _t(*values, dtype=torch.int64):
+    return torch.tensor(values, dtype=dtype, device=DEVICE)
 
 
 def _path(path: str, monkeypatch) -> None:
@@ -31,7 +37,8 @@ def _path(path: str, monkeypatch) -> None:
 
 
 def _poisoned(gate="kda", convention="vllm", layout="engine", num_slots=7, heads=3, seed=0) -> leapquant.Pool:
-    pool = leapquant.Pool(num_slots, heads, 64, 64, 8, 2, gate=gate, convention=convention, layout=layout)
+    pool = leapquant.Pool(num_slots, heads, 64, 64, 8, 2, gate=gate, convention=convention, layout=layout,
+                          device=DEVICE)
     gen = torch.Generator().manual_seed(seed)
     for name in parity.POOL_TENSORS:
         if getattr(pool, name) is not None:
@@ -84,7 +91,8 @@ def test_copies_bit_for_bit(layout, gate, convention, path, monkeypatch):
             pool.copy_slots(src, dst)
         else:
             dtype = torch.int32 if kind == "int32" else torch.int64
-            pool.copy_slots(torch.tensor(src, dtype=dtype), torch.tensor(dst, dtype=dtype), check=kind == "int64")
+            pool.copy_slots(torch.tensor(src, dtype=dtype, device=DEVICE), torch.tensor(dst, dtype=dtype, device=DEVICE),
+                            check=kind == "int64")
         assert _differs(pool, want) == [], kind
         assert torch.equal(pool.q0, q0)
     pool.copy_slots([f + 1], [f + 1])  # onto itself: nothing changes
@@ -99,14 +107,15 @@ def test_skipped_pairs_without_check(convention, path, monkeypatch):
     _path(path, monkeypatch)
     pool = _poisoned(convention=convention, seed=8)
     pad = 0 if convention == "vllm" else -1
-    src = torch.tensor([2, pad, 3, 1, 9], dtype=torch.int32)
-    dst = torch.tensor([4, 5, pad, 3, 6], dtype=torch.int32)
+    src = torch.tensor([2, pad, 3, 1, 9], dtype=torch.int32, device=DEVICE)
+    dst = torch.tensor([4, 5, pad, 3, 6], dtype=torch.int32, device=DEVICE)
     want = _expected(pool, parity.snapshot(pool), [2, 1], [4, 3])
     pool.copy_slots(src, dst, check=False)
     assert _differs(pool, want) == []
     before = parity.snapshot(pool)
-    pool.copy_slots(torch.tensor([pad, 7]), torch.tensor([1, 2]), check=False)
-    pool.copy_slots(torch.tensor([], dtype=torch.int32), torch.tensor([], dtype=torch.int32), check=False)
+    pool.copy_slots(torch.tensor([pad, 7], device=DEVICE), torch.tensor([1, 2], device=DEVICE), check=False)
+    empty = torch.tensor([], dtype=torch.int32, device=DEVICE)
+    pool.copy_slots(empty, empty, check=False)
     assert _differs(pool, before) == []
 
 
@@ -115,21 +124,22 @@ def test_prefix_reuse(gate):
     """What copy_slots is for: a sequence's state at a block boundary, a forced flush then a copy into a new slot
     (its checkpoint alone is the state); the copy then decodes exactly as the original: the same tokens give the same
     outputs and the same bytes in both slots, through a later full-ring flush."""
-    pool = leapquant.Pool(5, 2, 64, 64, 8, 2, gate=gate)
+    pool = leapquant.Pool(5, 2, 64, 64, 8, 2, gate=gate, device=DEVICE)
     gen = torch.Generator().manual_seed(12)
     fill(pool, [1], "gaussian", gen)
     pool.hcnt[1] = 3  # a ring partly filled: three tokens since the last flush
 
     def tokens(B):
-        return dict(q=torch.randn(B, 2, 64, generator=gen),
-                    k=torch.nn.functional.normalize(torch.randn(B, 2, 64, generator=gen), dim=-1),
-                    v=torch.randn(B, 2, 64, generator=gen),
-                    g=-0.1 * torch.rand(*((B, 2, 64) if gate == "kda" else (B, 2)), generator=gen),
-                    beta=torch.rand(B, 2, generator=gen))
+        t = dict(q=torch.randn(B, 2, 64, generator=gen),
+                 k=torch.nn.functional.normalize(torch.randn(B, 2, 64, generator=gen), dim=-1),
+                 v=torch.randn(B, 2, 64, generator=gen),
+                 g=-0.1 * torch.rand(*((B, 2, 64) if gate == "kda" else (B, 2)), generator=gen),
+                 beta=torch.rand(B, 2, generator=gen))
+        return {n: x.to(DEVICE) for n, x in t.items()}
 
-    leapquant.flush(pool, torch.tensor([1], dtype=torch.int32), force=True)
+    leapquant.flush(pool, _t(1, dtype=torch.int32), force=True)
     pool.copy_slots([1], [3])
-    idx = torch.tensor([1, 3], dtype=torch.int32)
+    idx = _t(1, 3, dtype=torch.int32)
     for _ in range(11):  # past the next full ring of 8
         t = tokens(1)
         o = leapquant.step(pool, idx, **{n: x.expand(2, *x.shape[1:]) for n, x in t.items()})
@@ -158,15 +168,12 @@ BAD = {
     "float tensor": (lambda p: (torch.tensor([1.0]), [2]), TypeError, r"src must hold integers"),
 }
 BAD_UNCHECKED = {
-    "int16": (lambda p: (torch.tensor([1], dtype=torch.int16), torch.tensor([2])), TypeError,
-              r"src must be int32 or int64"),
-    "a list": (lambda p: ([1], torch.tensor([2])), TypeError, r"src must be a torch.Tensor with check=False"),
-    "2-D": (lambda p: (torch.tensor([[1]]), torch.tensor([[2]])), ValueError, r"src must be 1-D and contiguous"),
-    "strided": (lambda p: (torch.tensor([1, 0, 2, 0])[::2], torch.tensor([3, 4])), ValueError,
-                r"src must be 1-D and contiguous"),
-    "lengths differ": (lambda p: (torch.tensor([1, 2]), torch.tensor([3])), ValueError,
-                       r"src and dst must name as many slots"),
-    "src inside the pool": (lambda p: (p.hcnt.view(-1)[:1], torch.tensor([2], dtype=torch.int32)), ValueError,
+    "int16": (lambda p: (_t(1, dtype=torch.int16), _t(2)), TypeError, r"src must be int32 or int64"),
+    "a list": (lambda p: ([1], _t(2)), TypeError, r"src must be a torch.Tensor with check=False"),
+    "2-D": (lambda p: (_t(1)[None], _t(2)[None]), ValueError, r"src must be 1-D and contiguous"),
+    "strided": (lambda p: (_t(1, 0, 2, 0)[::2], _t(3, 4)), ValueError, r"src must be 1-D and contiguous"),
+    "lengths differ": (lambda p: (_t(1, 2), _t(3)), ValueError, r"src and dst must name as many slots"),
+    "src inside the pool": (lambda p: (p.hcnt.view(-1)[:1], _t(2, dtype=torch.int32)), ValueError,
                             r"src and pool\.hcnt share memory"),
 }
 

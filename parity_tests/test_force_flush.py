@@ -26,7 +26,9 @@ from leapquant.tools.workloads import fill
 from .conftest import backends_here
 from .strategies import random_bits
 
-TRITON = "triton" in backends_here("cpu")
+# on a GPU the kernels run there; on a CPU through the interpreter
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = "triton" in backends_here(DEVICE)
 # the Triton forced flush has one schedule, the grid (leapquant_triton.flush.flush_pool)
 BACKENDS = ["reference", "reference:graph"] + (["triton"] if TRITON else [])
 GATES = ["kda", "gdn"]
@@ -42,14 +44,14 @@ def _use(backend: str, monkeypatch) -> str:
     return backend
 
 
-def _i32(*values):
-    return torch.tensor(values, dtype=torch.int32)
+def _i32(*values, device=DEVICE):
+    return torch.tensor(values, dtype=torch.int32, device=device)
 
 
 def _poison_past(pool: leapquant.Pool, gen: torch.Generator) -> None:
     """Random bytes in every ring entry at or past its (slot, head)'s fill count (clamped to [0, L])."""
     L = pool.ring
-    past = torch.arange(L) >= pool.hcnt.clamp(0, L)[..., None]  # [NS, HV, L]
+    past = torch.arange(L, device=pool.device) >= pool.hcnt.clamp(0, L)[..., None]  # [NS, HV, L]
     for name in ("kbuf", "ubuf", "w", "gbuf"):
         t = getattr(pool, name)
         if t is None:
@@ -61,10 +63,11 @@ def _poison_past(pool: leapquant.Pool, gen: torch.Generator) -> None:
 
 
 def _partial_pool(gate: str, *, convention="vllm", seed=0, num_slots=6, heads=2, ring=16, rank=4, layout="engine",
-                  counts=None) -> leapquant.Pool:
+                  counts=None, device=DEVICE) -> leapquant.Pool:
     """A poisoned pool whose real slots hold valid checkpoints and rings with fill counts ``counts`` (``[NS - first,
     HV]``; default random in 1..L), the entries past each count poisoned."""
-    pool = leapquant.Pool(num_slots, heads, 64, 64, ring, rank, gate=gate, convention=convention, layout=layout)
+    pool = leapquant.Pool(num_slots, heads, 64, 64, ring, rank, gate=gate, convention=convention, layout=layout,
+                          device=device)
     gen = torch.Generator().manual_seed(seed)
     for name in parity.POOL_TENSORS:
         if getattr(pool, name) is not None and name != "hcnt":
@@ -73,7 +76,7 @@ def _partial_pool(gate: str, *, convention="vllm", seed=0, num_slots=6, heads=2,
     fill(pool, slots, "gaussian", gen)
     if counts is None:
         counts = torch.randint(1, ring + 1, (len(slots), heads), generator=gen, dtype=torch.int32)
-    pool.hcnt[slots] = torch.as_tensor(counts, dtype=torch.int32)
+    pool.hcnt[slots] = torch.as_tensor(counts, dtype=torch.int32).to(device)
     _poison_past(pool, gen)
     return pool
 
@@ -97,12 +100,12 @@ def _expected(pool: leapquant.Pool, slots: list[int]) -> dict:
 def test_reference_is_the_definition(backend, gate, convention, monkeypatch):
     """The reference's forced flush stores ``compress(rebuild(entries in use))`` bit for bit, whatever the entries past
     the fill count hold; resets every entry of the ring; sets ``hcnt = L``; and writes nothing else (padding rows,
-    unnamed slots, the rest of the region)."""
-    pool = _partial_pool(gate, convention=convention, seed=11)
+    unnamed slots, the rest of the region). On the CPU: the definition does not depend on the device."""
+    pool = _partial_pool(gate, convention=convention, seed=11, device="cpu")
     named = [1, 3, 4]
     want = _expected(pool, named)
     pad = 0 if convention == "vllm" else -1
-    idx = _i32(3, pad, 1, 4, 3)  # a repeat and a padding row
+    idx = _i32(3, pad, 1, 4, 3, device="cpu")  # a repeat and a padding row
     before = parity.snapshot(pool)
     leapquant.flush(pool, idx, backend=_use(backend, monkeypatch), force=True, check=False)
     got = pool.checkpoint(named)
@@ -175,7 +178,7 @@ def _stream_pool(gate: str, counts: torch.Tensor, seed: int = 3) -> leapquant.Po
     """A pool fed as an engine feeds it: states loaded, then ``counts[s]`` tokens appended to slot ``s + 1`` (the
     rings partially filled, the entries past the fill count as the last load left them)."""
     n = counts.numel()
-    pool = leapquant.Pool(n + 1, 2, 64, 64, 16, 4, gate=gate)
+    pool = leapquant.Pool(n + 1, 2, 64, 64, 16, 4, gate=gate, device=DEVICE)
     gen = torch.Generator().manual_seed(seed)
     slots = torch.arange(1, n + 1)
     pool.load_states(slots, torch.randn(n, 2, 64, 64, generator=gen))
@@ -208,6 +211,7 @@ def test_forced_flush_is_states_then_load(backend, gate):
     tok = dict(q=torch.randn(3, 2, 64, generator=gen), k=k, v=torch.randn(3, 2, 64, generator=gen),
                g=-0.1 * torch.rand(*((3, 2, 64) if gate == "kda" else (3, 2)), generator=gen),
                beta=torch.rand(3, 2, generator=gen))
+    tok = {n: t.to(DEVICE) for n, t in tok.items()}
     twin.hcnt[1:] = 0
     o = leapquant.step(pool, idx, **tok, backend=backend)
     o_twin = leapquant.step(twin, idx, **tok, backend=backend)
@@ -223,7 +227,7 @@ def test_checkpoint_holds_the_state(gate):
     pool = _stream_pool(gate, torch.tensor([3, 9]))
     slots = torch.tensor([1, 2])
     S = pool.states(slots)
-    leapquant.flush(pool, slots.to(torch.int32), force=True)
+    leapquant.flush(pool, slots.to(DEVICE, torch.int32), force=True)
     assert bool(ref.ring_empty(pool.w[slots], pool.pcum[slots], gate).all())
     c = pool.checkpoint(slots)
     err = ref.relative_error(ref.reconstruct(c["codes"], c["s_k"], c["s_v"], c["u"], c["q"]), S.double())
@@ -310,16 +314,16 @@ def test_backends_without_partial_rings_are_refused(monkeypatch):
 
     monkeypatch.setitem(registry._registry(), FullOnly.name, None)  # removed from the registry afterwards
     leapquant.register(FullOnly())
-    pool = _partial_pool("kda", seed=1, num_slots=3)
+    pool = _partial_pool("kda", seed=1, num_slots=3, device="cpu")
     before = parity.snapshot(pool)
     with pytest.raises(BackendError, match="full rings only"):
-        leapquant.flush(pool, _i32(1, 2), backend=FullOnly.name, force=True)
+        leapquant.flush(pool, _i32(1, 2, device="cpu"), backend=FullOnly.name, force=True)
     with pytest.raises(BackendError, match="full rings only"):
         leapquant.select(pool, FullOnly.name, op="force_flush")
     assert [n for n, t in parity.snapshot(pool).items() if not torch.equal(t, before[n])] == []
     assert leapquant.select(pool, "auto", op="force_flush").name != FullOnly.name
     assert leapquant.select(pool, "auto").name == FullOnly.name
-    leapquant.flush(pool, _i32(1, 2), backend=FullOnly.name)
+    leapquant.flush(pool, _i32(1, 2, device="cpu"), backend=FullOnly.name)
     assert calls == [2]
     from leapquant_tilelang.backend import TileLangBackend
 
@@ -330,9 +334,9 @@ def test_backends_without_partial_rings_are_refused(monkeypatch):
 def test_under_torch_compile():
     """``flush(..., force=True)`` compiles with ``fullgraph=True`` into the custom op, which declares ``hcnt`` mutated,
     and stores the bytes of the eager call."""
-    pool = _partial_pool("kda", seed=4, num_slots=4)
+    pool = _partial_pool("kda", seed=4, num_slots=4, device="cpu")
     twin = parity.twin(pool)
-    idx = _i32(3, 1)
+    idx = _i32(3, 1, device="cpu")
 
     @torch.compile(backend="eager", fullgraph=True)
     def call(idx):
