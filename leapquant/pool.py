@@ -16,8 +16,7 @@ import torch
 
 from . import formulas
 from .checks import (POOL_BASE, check_append, check_copy_slots, check_device, check_geometry, check_in_storage,
-                     check_iters,
-                     check_load_apart, check_pool, check_pool_tensors, check_slots, check_state_tensor,
+                     check_iters, check_load_apart, check_pool, check_pool_tensors, check_slots, check_state_tensor,
                      check_state_values, check_states_out, check_states_out_apart, spans, state_shape)
 from .constants import BASE_WORDS, EPS
 from .geometry import Convention, Gate, Geometry, Layout, view_layouts
@@ -369,8 +368,8 @@ class Pool:
             d = torch.where(ok, d, torch.where(some, d.index_select(0, first), zero))
         # gather every tensor's rows into temporaries before the first write: a permutation reads only old values
         parts = [(t, t.index_select(0, s)) for t in self._slot_rows()]
-        for t, rows in parts:
-            t.index_copy_(0, d, rows)
+        for t, taken in parts:
+            t.index_copy_(0, d, taken)
 
     def _real(self, slots: torch.Tensor) -> torch.Tensor:
         """bool per entry of ``slots``: a real slot of the pool's convention (SPEC §2), on the device."""
@@ -386,9 +385,8 @@ class Pool:
                                 words.storage_offset() + BASE_WORDS)
         ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
                 torch.int32: torch.int32}
-        rows = [ckpt] + [t.view(ints[t.dtype]) for t in (self.kbuf, self.ubuf, self.w, self.pcum, self.gbuf, self.hcnt)
+        return [ckpt] + [t.view(ints[t.dtype]) for t in (self.kbuf, self.ubuf, self.w, self.pcum, self.gbuf, self.hcnt)
                          if t is not None]
-        return rows
 
     def append(self, slots, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> None:
         """One token per slot into the ring (SPEC §6 steps 1-4): the decode step's ring update, in plain torch.
