@@ -178,24 +178,15 @@ BAD_UNCHECKED = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD))
-def test_bad_input_is_refused(case):
-    pool = _poisoned(seed=5)
+@pytest.mark.parametrize("check,case", [(True, c) for c in BAD] + [(False, c) for c in BAD_UNCHECKED],
+                         ids=[f"check-{c}" for c in BAD] + [f"nocheck-{c}" for c in BAD_UNCHECKED])
+def test_bad_input_is_refused(check, case):
+    """A bad argument is refused before anything is written; ``check=False`` reads no value but still refuses what
+    the copy could not index or would write through."""
+    pool = _poisoned(seed=5 if check else 6)
     pool.hcnt.zero_()
-    make, exc, words = BAD[case]
+    make, exc, words = (BAD if check else BAD_UNCHECKED)[case]
     before = parity.snapshot(pool)
     with pytest.raises(exc, match=words):
-        pool.copy_slots(*make(pool))
-    assert _differs(pool, before) == []
-
-
-@pytest.mark.parametrize("case", list(BAD_UNCHECKED))
-def test_bad_metadata_is_refused_without_check(case):
-    """``check=False`` reads no value but still refuses what the copy could not index or would write through."""
-    pool = _poisoned(seed=6)
-    pool.hcnt.zero_()
-    make, exc, words = BAD_UNCHECKED[case]
-    before = parity.snapshot(pool)
-    with pytest.raises(exc, match=words):
-        pool.copy_slots(*make(pool), check=False)
+        pool.copy_slots(*make(pool), check=check)
     assert _differs(pool, before) == []
