@@ -222,15 +222,15 @@ def compile_step(arch: int, shape: Shape, num_warps: int | None = None, gluon: b
         kernel, constexprs, options = step_build(geometry, FIRST_SLOT, True, arch, "gluon")
     else:
         kernel, constexprs, options = step_build(geometry, FIRST_SLOT, True, arch, "fma" if arch < 80 else "mma")
-        # the larger build: T tokens per row with the history of SPEC §6.1 (at most L / 2 tokens)
-        constexprs.update(NATIVE=True, HIST=True, HT=shape.ring // 2 + 1, T=shape.ring // 2)
+        constexprs.update(NATIVE=True)
+    # the larger build: T tokens per row with the history of SPEC §6.1 (at most L / 2 tokens)
+    constexprs.update(HIST=True, HT=shape.ring // 2 + 1, T=shape.ring // 2)
     if num_warps:
         options["num_warps"] = num_warps
-    names = ("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "sg_n", "sg_h", "sb_n", "sb_h", "so_n", "so_h")
-    if not gluon:
-        names += ("sq_t", "sk_t", "sv_t", "sg_t", "sb_t", "so_t")
+    names = ("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "sg_n", "sg_h", "sb_n", "sb_h", "so_n", "so_h",
+             "sq_t", "sk_t", "sv_t", "sg_t", "sb_t", "so_t")
     ints = {k: "i32" for k in names}
-    pointers = dict(_STEP_POINTERS, **({} if gluon else _HISTORY_POINTERS))
+    pointers = dict(_STEP_POINTERS, **_HISTORY_POINTERS)
     signature = {a: pointers.get(a) or ints.get(a) or ("constexpr" if a in constexprs else None)
                  for a in kernel.arg_names}
     signature.update(scale="fp32", NS="i32", HV="i32", G="i32", SS="i32", HS="i32")

@@ -54,14 +54,13 @@ def gluon_shape(geometry) -> bool:
     return g.head_k == 128 and g.head_v == 128 and g.ring == 16 and g.rank <= 4
 
 
-def kernel_for(geometry, capability: int | None, tokens: int = 1, history: bool = False) -> str:
+def kernel_for(geometry, capability: int | None) -> str:
     """The step kernel :func:`step_pool` launches by default for ``geometry`` on compute capability ``capability``
-    (None: the interpreter, which runs the ``mma`` kernel's fp32 twin), ``tokens`` per row, on a pool that keeps a
-    history (SPEC §6.1) or not: the Gluon kernel takes one token and writes no history."""
+    (None: the interpreter, which runs the ``mma`` kernel's fp32 twin). Every kernel takes T tokens per row and writes
+    a pool's history (SPEC §6.1)."""
     if uses_fma(capability):
         return "fma"
-    if (capability is None or interpreting() or not gluon_shape(geometry) or gluon_kernel() is None or tokens > 1
-            or history):
+    if capability is None or interpreting() or not gluon_shape(geometry) or gluon_kernel() is None:
         return "mma"
     return "gluon"
 
@@ -121,8 +120,8 @@ def _prepared(pool, use_qk_l2norm: bool, kernel: str | None):
     def make():
         fn, consts, options = step_build(g, pool.first_slot, use_qk_l2norm, capability, kernel)
         static = dict(tensors, NS=g.num_slots, HV=g.heads, SS=g.slot_stride, HS=g.head_stride, **consts)
-        if kernel != "gluon":  # the tl kernels take T tokens and write the history (SPEC §6.1)
-            static.update(history, HIST=hist is not None, HT=hist.max_tokens + 1 if hist is not None else 1)
+        # every kernel takes T tokens and writes the history (SPEC §6.1)
+        static.update(history, HIST=hist is not None, HT=hist.max_tokens + 1 if hist is not None else 1)
         return _launcher(fn).prepare(static, options)
 
     key = ("step", g, pool.first_slot, bool(use_qk_l2norm), kernel)
@@ -153,14 +152,7 @@ def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         strides.update({f"s{name}_t": 0 for name in "qkvgbo"})
     dynamic = dict(idx=idx, q=q, k=k, v=v, g=g, beta=beta, out=out, **strides, scale=float(scale),
                    G=pool.heads // q.shape[-2])
-    history = pool.history is not None
-    kernel = kernel or kernel_for(pool.geometry, device_capability(pool.raw.device), T, history)
-    if kernel == "gluon" and (T > 1 or history):
-        raise ValueError("the Gluon step kernel takes one token per row on a pool without a history (SPEC §6.1); "
-                         "kernel='mma' takes T tokens")
-    if kernel != "gluon":
-        dynamic["T"] = T
-    else:
-        dynamic = {n: x for n, x in dynamic.items() if not n.endswith("_t")}
+    kernel = kernel or kernel_for(pool.geometry, device_capability(pool.raw.device))
+    dynamic["T"] = T
     flush_pool(pool, idx, force=T if T > 1 else False)
     _prepared(pool, use_qk_l2norm, kernel)((N, pool.heads), dynamic)

@@ -232,8 +232,10 @@ def test_checkpoint_holds_the_state(gate):
     c = pool.checkpoint(slots)
     err = ref.relative_error(ref.reconstruct(c["codes"], c["s_k"], c["s_v"], c["u"], c["q"]), S.double())
     assert float(err.max()) < 0.02, err
-    assert torch.equal(pool.states(slots), ref.reconstruct(c["codes"], c["s_k"], c["s_v"], c["u"], c["q"],
-                                                           torch.float32))
+    # bit for bit on the reference backend; the Triton states kernel (a GPU's default) sums in its own order
+    alone = ref.reconstruct(c["codes"], c["s_k"], c["s_v"], c["u"], c["q"], torch.float32)
+    assert torch.equal(pool.states(slots, backend="reference"), alone)
+    assert float(ref.relative_error(pool.states(slots), alone.double()).max()) < 1e-6
 
 
 # --- idempotence, emptiness, what is not due --------------------------------------------------------------------
