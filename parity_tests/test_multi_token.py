@@ -261,7 +261,8 @@ def test_triton_tokens_and_accept(gate, T, H, kernel, dim, L):
         heads = torch.arange(pool.heads, device=DEVICE)
         for name in ("kbuf", "gbuf"):
             if getattr(pool, name) is not None:
-                assert torch.equal(getattr(pool, name)[rows[:, None], heads, j], getattr(ref, name)[rows[:, None], heads, j]), name
+                got_e, want_e = getattr(pool, name), getattr(ref, name)
+                assert torch.equal(got_e[rows[:, None], heads, j], want_e[rows[:, None], heads, j]), name
         a_u, b_u = pool.ubuf[rows[:, None], heads, j], ref.ubuf[rows[:, None], heads, j]
         d = (a_u.view(torch.int16).int() - b_u.view(torch.int16).int()).abs()
         floor = 2.0 ** -18 * (tok["v"].abs().max() + b_u.float().abs().max())  # v - p cancelling below fp32's p
