@@ -16,8 +16,9 @@ every tile is placed so that the work on it stays inside a thread:
 
 Two phases. First the checkpoint's products of every token (its decay e_t needs only the gates): the codes' 64
 registers per thread are dead before the ring's tiles are loaded, which takes the spills out (measured: KDA
-1.21x, GDN 1.10x faster than the ring first). Then the tokens one after the other on the ring held in registers,
-each token's entry put into the tiles for the next and stored.
+1.21x, GDN 1.10x faster than the ring first). Then the tokens one after the other, each loading the ring's entries
+before it (the earlier tokens' entries from this program's own rows, after a barrier) and storing its own: tiles
+carried across the tokens in registers spilled.
 
 Every product of the checkpoint's part is exact (27-bit int8 pieces, as the ``tl`` kernel); the ring and rank parts
 are fp32 products, so ``o`` and ``ubuf`` differ from the ``tl`` kernel in the last fp32 bits, within SPEC §6's
@@ -258,22 +259,13 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
             dks = _put(dks, t, dk, TP, tl_)
             dqs = _put(dqs, t, dq, TP, tl_)
 
-    # the ring (entries before j, the rest zero; the gates shifted: row i holds gbuf[i + 1], one past the last),
-    # kept in 16 bits across the tokens, and the rank-R factors
-    wraw = gl.load(p_w + o_l)
-    wv = gl.where(o_l < j, wraw, 0.0)
-    kb16 = _load_tile(p_kb, 0, j, L, K, kl, kv)
-    if IS_KDA:
-        gs16 = _load_tile(p_gb, 1, j, L, K, kl, kv)
-        if T == 1:  # in fp32 at once: no 16-bit select
-            gs16 = gs16.to(gl.float32)
-    ub16 = _load_tile(p_ub, 0, j, L, V, kl, kv)
+    # the rank-R factors, and the history's first row before anything is overwritten
     o_r = gl.arange(0, BR, layout=gl.SliceLayout(1, rl))
     o_kr = gl.arange(0, K, layout=gl.SliceLayout(0, rl))
     p_uq = uq + o_reg * 2
     m_r = (o_r < R)[:, None] & (o_kr < K)[None, :]
-    ur = gl.load(p_uq + o_r[:, None] * (K + V) + o_kr[None, :], mask=m_r, other=0.0).to(gl.float32)
-    qr = gl.load(p_uq + K + o_r[:, None] * (K + V) + o_kr[None, :], mask=m_r, other=0.0).to(gl.float32)
+    ur = gl.load(p_uq + o_r[:, None] * (K + V) + o_kr[None, :], mask=m_r, other=0.0)  # fp16 until used
+    qr = gl.load(p_uq + K + o_r[:, None] * (K + V) + o_kr[None, :], mask=m_r, other=0.0)
     o_v = o_k
     sv = gl.load(p_skv + K + o_v) / QMAX
     if HIST:
@@ -283,9 +275,7 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
             gl.store(hpcum + i_sh * HT * K + o_k, pc0)
         else:
             gl.store(hpcum + i_sh * HT, pc0)
-        gl.store(hw + i_sh * HT * L + o_l, wraw)
-    # every thread has read w, pcum and hcnt (replicated over threads) before any overwrites them
-    gl.thread_barrier()
+        gl.store(hw + i_sh * HT * L + o_l, gl.load(p_w + o_l))
 
     if T > 1:
         pc = pc0
@@ -294,24 +284,29 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
             kk, qq, b_beta, pc, e, gx = _token(q, k, g, beta, t, pc, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t,
                                                sk_h, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, IS_KDA, USE_QK_L2NORM)
         jt = j + t
+        # the ring before token t, from memory: the entries before jt (those past j this program stored for the
+        # earlier tokens), the rest zero; the gates shifted, row i holding gbuf[i + 1] and the new gate after the last
+        wv = gl.where(o_l < jt, gl.load(p_w + o_l), 0.0)
+        kb = _load_tile(p_kb, 0, jt, L, K, kl, kv).to(gl.float32)
         # the ring's key products: w_i (kd_i . k), w_i (kd_i . q), kd_i the key times its decay d_i
-        if IS_KDA:  # the new gate goes after the last entry
-            gs16 = gl.where((o_l + 1 == jt)[:, None], gx.to(gs16.dtype)[None, :], gs16)
-            kd = kb16.to(gl.float32) * gl.map_elementwise(_suffix16, gs16.to(gl.float32), pack=16)[0]
+        if IS_KDA:
+            gs = _load_tile(p_gb, 1, jt, L, K, kl, kv).to(gl.float32)
+            gs = gl.where((o_l + 1 == jt)[:, None], gx.to(gl.float32)[None, :], gs)
+            kd = kb * gl.map_elementwise(_suffix16, gs, pack=16)[0]
         else:
             wv = wv * gx
-            kd = kb16.to(gl.float32)
+            kd = kb
         ck = wv * _reduce_rows(kd * kk[None, :], L, K, KPT, NW, rows)
         cq = wv * _reduce_rows(kd * qq[None, :], L, K, KPT, NW, rows)
         # the old rank-R part: a_r = u_r . (x e)
-        ak = gl.sum(ur * gl.convert_layout(kk * e, gl.SliceLayout(0, rl))[None, :], axis=1)
-        aq = gl.sum(ur * gl.convert_layout(qq * e, gl.SliceLayout(0, rl))[None, :], axis=1)
+        ak = gl.sum(ur.to(gl.float32) * gl.convert_layout(kk * e, gl.SliceLayout(0, rl))[None, :], axis=1)
+        aq = gl.sum(ur.to(gl.float32) * gl.convert_layout(qq * e, gl.SliceLayout(0, rl))[None, :], axis=1)
         # the value side, in the ring's layout: ring and rank sums inside a thread
-        ub = ub16.to(gl.float32)
+        ub = _load_tile(p_ub, 0, jt, L, V, kl, kv).to(gl.float32)
         rk = gl.sum(ub * ck[:, None], axis=0)
         rq = gl.sum(ub * cq[:, None], axis=0)
-        lk = gl.convert_layout(gl.sum(qr * ak[:, None], axis=0), ch)
-        lq = gl.convert_layout(gl.sum(qr * aq[:, None], axis=0), ch)
+        lk = gl.convert_layout(gl.sum(qr.to(gl.float32) * ak[:, None], axis=0), ch)
+        lq = gl.convert_layout(gl.sum(qr.to(gl.float32) * aq[:, None], axis=0), ch)
         p = sv * _row_of(dks, t, TP, tl_, ch) + lk + rk
         un = (gl.load(v + i_n64 * sv_n + t * sv_t + i_hv * sv_h + o_v).to(gl.float32) - p).to(gl.bfloat16)
         # the new entry (decay 1): kbuf[j] = bf16(k), w_j = beta, and what it adds to o per unit of ubuf[j]
@@ -320,19 +315,14 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
         o = sv * _row_of(dqs, t, TP, tl_, ch) + lq + rq + un.to(gl.float32) * cj
         _store_out(p_o + t * so_t, scale * o)
 
-        # entry jt into the ring, in registers for the next token and in memory
-        if T > 1:  # one token: its entry is only stored
-            m_row = (o_l == jt)[:, None]
-            kb16 = gl.where(m_row, kj[None, :], kb16)
-            ub16 = gl.where(m_row, un[None, :], ub16)
+        # every thread has read w (replicated over threads) before any overwrites it
+        gl.thread_barrier()
         m_new = gl.where(jt >= 0, o_k < K, False)  # an invalid negative count writes no entry, as the reference
+        wv = gl.where(o_l == jt, b_beta, wv)
         if IS_KDA:
             gl.store(p_gb + jt * K + o_k, gx, mask=m_new)
             gl.store(p_w + jt, b_beta, mask=jt >= 0)
-            if T > 1 or HIST:
-                wv = gl.where(o_l == jt, b_beta, wv)
         else:
-            wv = gl.where(o_l == jt, b_beta, wv)
             gl.store(p_w + o_l, wv, mask=o_l <= jt)
         gl.store(p_kb + jt * K + o_k, kj, mask=m_new)
         gl.store(p_ub + jt * V + o_v, un, mask=m_new)
@@ -341,7 +331,10 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
                 gl.store(hpcum + (i_sh * HT + t + 1) * K + o_k, pc)
             else:
                 gl.store(hpcum + i_sh * HT + t + 1, pc)
-            gl.store(hw + (i_sh * HT + t + 1) * L + o_l, gl.where(o_l <= jt, wv, wraw))
+            # past entry jt the row is as the call found it: this program writes no entry past jt before token jt
+            gl.store(hw + (i_sh * HT + t + 1) * L + o_l, gl.where(o_l <= jt, wv, gl.load(p_w + o_l, mask=o_l > jt)))
+        if T > 1:  # the next token reads this one's entry
+            gl.thread_barrier()
     if IS_KDA:
         gl.store(p_pc + o_k, pc)
     else:
