@@ -144,7 +144,7 @@ def _token(q, k, g, beta, t, pc, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t,
 @gluon.jit
 def _checkpoint_products(a, kk, qq, e, sk, V: gl.constexpr, mma: gl.constexpr, lb: gl.constexpr, pl: gl.constexpr,
                          ch: gl.constexpr):
-    """(C (s_k k e), C (s_q q e)) [V] for the codes C in ``a`` on the tensor cores: four int8 pieces of each key,
+    """(C (s_k k e), C (s_k q e)) [V] for the codes C in ``a`` on the tensor cores: four int8 pieces of each key,
     exact integer products and sums, scaled back per piece."""
     xk = kk * e * sk
     xq = qq * e * sk
