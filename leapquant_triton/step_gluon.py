@@ -8,17 +8,19 @@ every tile is placed so that the work on it stays inside a thread:
 
     codes    [V, K] int8   loaded from global memory straight into int8 mma A-fragments (no shared memory); times the
                            keys' int8 pieces [K, 8] (k in columns 0-3, q in 4-7: exact int32 products and sums)
-    ring     [L, K]        kbuf, the shifted gates and ubuf with the ring axis inside a thread (each thread two
-                           channels x 16 entries): the gates' suffix products and the value-side sums over the
-                           entries are thread-local; the K-sums of the 2 L ring dot products are per-thread partial
-                           sums, then one transpose through shared memory
+    ring     [L, K]        kbuf (times its suffix gate products and weights) and ubuf with the ring axis inside a
+                           thread (each thread two channels x 16 entries): the gates' products and the value-side sums
+                           over the entries are thread-local
     rank     [4, K], [4, V] u_r and q_r with the rank axis inside a thread
+    call     [TP, K]       the call's own entries (keys with their decays, values), the token axis inside a thread
 
 Two phases. First the checkpoint's products of every token (its decay e_t needs only the gates): the codes' 64
 registers per thread are dead before the ring's tiles are loaded, which takes the spills out (measured: KDA
-1.21x, GDN 1.10x faster than the ring first). Then the tokens one after the other, each loading the ring's entries
-before it (the earlier tokens' entries from this program's own rows, after a barrier) and storing its own: tiles
-carried across the tokens in registers spilled.
+1.21x, GDN 1.10x faster than the ring first); several tokens park their keys and products in shared memory. Then
+the ring is loaded once, decayed to the call and weighted, and the tokens go one after the other: a token's decay
+of the ring is the product of the call's gates so far (a factor of its keys), the call's earlier entries sit in
+registers, and every sum over the channels a token needs (its k and q against the ring's and the call's keys, the
+rank factors) is a per-thread partial sum, all reduced in one pass through shared memory (two barriers a token).
 
 Every product of the checkpoint's part is exact (27-bit int8 pieces, as the ``tl`` kernel); the ring and rank parts
 are fp32 products, so ``o`` and ``ubuf`` differ from the ``tl`` kernel in the last fp32 bits, within SPEC §6's
@@ -67,13 +69,21 @@ def _pow2(e):
 
 
 @gluon.jit
-def _shift(x):
-    """(t1, t2): 2^(t1 + t2) scales max|x| into [32, 64), each factor within fp32's normal range."""
-    m = gl.max(gl.abs(x), axis=0)
+def _shift_of(m):
+    """(t1, t2) for a maximum ``m``: 2^(t1 + t2) scales m into [32, 64), each factor within fp32's normal range."""
     t = 5 - (((m.to(gl.int32, bitcast=True) >> 23) & 0xFF) - 127)
     t = gl.where(m > 0, t, 0)
     t1 = t >> 1
     return t1, t - t1
+
+
+@gluon.jit
+def _shifts(x, y):
+    """:func:`_shift_of` of max|x| and of max|y|, both maxima in one reduction over the threads."""
+    mx, my = gl.split(gl.max(gl.abs(gl.join(x, y)), axis=0))
+    tx1, tx2 = _shift_of(mx)
+    ty1, ty2 = _shift_of(my)
+    return tx1, tx2, ty1, ty2
 
 
 @gluon.jit
@@ -84,15 +94,6 @@ def _pieces(x, t1, t2, p):
     hi = libdevice.rint(r * _pow2(7 * p))
     lo = libdevice.rint(r * _pow2(7 * p - 7))
     return hi - gl.where(p == 0, 0.0, 128.0 * lo)
-
-
-@gluon.jit
-def _reduce_rows(x, L: gl.constexpr, K: gl.constexpr, KPT: gl.constexpr, NW: gl.constexpr, rows: gl.constexpr):
-    """sum over K of an [L, K] tile whose threads hold all L rows of KPT channels: per-thread partial sums, one
-    transpose through shared memory, then sums within a thread and over 4 lanes; in ``rows`` (every thread all L)."""
-    tl2: gl.constexpr = gl.BlockedLayout([1, K // KPT // 4 // NW], [8, 4], [1, NW], [1, 0])
-    part = gl.sum(gl.reshape(x, [L, K // KPT, KPT]), axis=2)
-    return gl.convert_layout(gl.sum(gl.convert_layout(part, tl2), axis=1), rows)
 
 
 @gluon.jit
@@ -108,12 +109,16 @@ def _load_tile(p, SHIFT: gl.constexpr, j, L: gl.constexpr, K: gl.constexpr, kl: 
 
 
 @gluon.jit
-def _load_key(p, o_k, USE_QK_L2NORM: gl.constexpr):
-    """A [K] key in fp32, l2-normalised with correctly rounded sqrt and division (as the ``tl`` kernel)."""
-    x = gl.load(p + o_k).to(gl.float32)
+def _load_keys(pk, pq, o_k, USE_QK_L2NORM: gl.constexpr):
+    """A token's key and query [K] in fp32, l2-normalised with correctly rounded sqrt and division (as the ``tl``
+    kernel); both sums of squares in one reduction over the threads."""
+    x = gl.load(pk + o_k).to(gl.float32)
+    y = gl.load(pq + o_k).to(gl.float32)
     if USE_QK_L2NORM:
-        x = gl.div_rn(x, gl.sqrt_rn(gl.sum(x * x, axis=0) + L2NORM_EPS))
-    return x
+        sx, sy = gl.split(gl.sum(gl.join(x * x, y * y), axis=0))
+        x = gl.div_rn(x, gl.sqrt_rn(sx + L2NORM_EPS))
+        y = gl.div_rn(y, gl.sqrt_rn(sy + L2NORM_EPS))
+    return x, y
 
 
 @gluon.jit
@@ -127,8 +132,8 @@ def _token(q, k, g, beta, t, pc, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t,
            sb_h, o_k, IS_KDA: gl.constexpr, USE_QK_L2NORM: gl.constexpr):
     """Token t's inputs and gates: (k, q, beta, pcum after it, the checkpoint's decay e, the gate's factor: the fp16
     exp(g) that gbuf stores (KDA) or exp(g) (GDN)), from ``pc``, the pcum before it (SPEC §6 step 2)."""
-    kk = _load_key(k + i_n64 * sk_n + t * sk_t + i_h * sk_h, o_k, USE_QK_L2NORM)
-    qq = _load_key(q + i_n64 * sq_n + t * sq_t + i_h * sq_h, o_k, USE_QK_L2NORM)
+    kk, qq = _load_keys(k + i_n64 * sk_n + t * sk_t + i_h * sk_h, q + i_n64 * sq_n + t * sq_t + i_h * sq_h, o_k,
+                        USE_QK_L2NORM)
     b_beta = gl.load(beta + i_n64 * sb_n + t * sb_t + i_hv * sb_h).to(gl.float32)
     p_g = g + i_n64 * sg_n + t * sg_t + i_hv * sg_h
     if IS_KDA:
@@ -143,13 +148,12 @@ def _token(q, k, g, beta, t, pc, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t,
 
 @gluon.jit
 def _checkpoint_products(a, kk, qq, e, sk, V: gl.constexpr, mma: gl.constexpr, lb: gl.constexpr, pl: gl.constexpr,
-                         ch: gl.constexpr):
+                         ch: gl.constexpr, NW: gl.constexpr):
     """(C (s_k k e), C (s_k q e)) [V] for the codes C in ``a`` on the tensor cores: four int8 pieces of each key,
     exact integer products and sums, scaled back per piece."""
     xk = kk * e * sk
     xq = qq * e * sk
-    tk1, tk2 = _shift(xk)
-    tq1, tq2 = _shift(xq)
+    tk1, tk2, tq1, tq2 = _shifts(xk, xq)
     o_c = gl.arange(0, 8, layout=gl.SliceLayout(0, pl))
     pp = o_c % 4
     xkp = gl.convert_layout(xk, gl.SliceLayout(1, pl))[:, None]
@@ -161,9 +165,10 @@ def _checkpoint_products(a, kk, qq, e, sk, V: gl.constexpr, mma: gl.constexpr, l
     w1 = gl.where(cn < 4, _pow2(-7 * cp - tk1), _pow2(-7 * cp - tq1))
     w2 = gl.where(cn < 4, _pow2(-tk2), _pow2(-tq2))
     accf = acc.to(gl.float32) * w1[None, :] * w2[None, :]
-    dk = gl.convert_layout(gl.sum(gl.where(cn[None, :] < 4, accf, 0.0), axis=1), ch)
-    dq = gl.convert_layout(gl.sum(gl.where(cn[None, :] >= 4, accf, 0.0), axis=1), ch)
-    return dk, dq
+    # the pieces' sums of k (columns 0-3) and of q (4-7) side by side, then one layout change for both
+    dkq = gl.sum(gl.reshape(accf, [V, 2, 4]), axis=2)
+    dk, dq = gl.split(gl.convert_layout(dkq, gl.BlockedLayout([V // 32 // NW, 2], [32, 1], [NW, 1], [1, 0])))
+    return gl.convert_layout(dk, ch), gl.convert_layout(dq, ch)
 
 
 @gluon.jit
@@ -174,10 +179,26 @@ def _put(tile, t, x, TP: gl.constexpr, tl_: gl.constexpr):
 
 
 @gluon.jit
-def _row_of(tile, t, TP: gl.constexpr, tl_: gl.constexpr, ch: gl.constexpr):
-    """Row t of ``tile`` [TP, C] in ``tl_``, in ``ch`` (a select and a sum inside each thread)."""
-    o_t = gl.arange(0, TP, layout=gl.SliceLayout(1, tl_))
-    return gl.convert_layout(gl.sum(gl.where((o_t == t)[:, None], tile, 0.0), axis=0), ch)
+def _partials(x, R: gl.constexpr, K: gl.constexpr, KPT: gl.constexpr):
+    """An [R, K] product tile whose threads hold KPT channels of every row, summed over those channels: [R, K / KPT],
+    a thread's R partial sums in its column."""
+    return gl.sum(gl.reshape(x, [R, K // KPT, KPT]), axis=2)
+
+
+@gluon.jit
+def _gates(g, beta, t, pc, i_n64, i_hv, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, IS_KDA: gl.constexpr):
+    """Token t's beta, pcum after it, the checkpoint's decay e and the gate's factor (:func:`_token` without the
+    keys)."""
+    b_beta = gl.load(beta + i_n64 * sb_n + t * sb_t + i_hv * sb_h).to(gl.float32)
+    p_g = g + i_n64 * sg_n + t * sg_t + i_hv * sg_h
+    if IS_KDA:
+        gg = gl.load(p_g + o_k).to(gl.float32)
+        pc = pc + gg
+        return b_beta, pc, libdevice.exp(pc), libdevice.exp(gg).to(gl.float16)
+    else:
+        a_g = libdevice.exp(gl.load(p_g).to(gl.float32))
+        pc = pc * a_g
+        return b_beta, pc, gl.maximum(pc, PNMIN), a_g
 
 
 @gluon.jit
@@ -191,8 +212,11 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
     (N, HV), ``NW`` warps. The arguments are :func:`.step_kernel.leapquant_step_kernel`'s (``NW``: its
     ``num_warps``)."""
     KPT: gl.constexpr = K // (32 * NW)
+    KT: gl.constexpr = K // KPT  # the threads over the channels
     BR: gl.constexpr = 4
     TP: gl.constexpr = 1 if T == 1 else (2 if T == 2 else (4 if T <= 4 else 8))
+    OFF: gl.constexpr = 4 if TP <= 4 else TP  # rows of the second sum buffer: [Cn | Dn | Ek | Eq]
+    NR2: gl.constexpr = 16 if TP <= 4 else 32
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=16)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=16)
@@ -202,10 +226,17 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
     kv: gl.constexpr = gl.BlockedLayout([L, KPT], [1, 32], [1, NW], [1, 0])
     rl: gl.constexpr = gl.BlockedLayout([BR, KPT], [1, 32], [1, NW], [1, 0])
     pl: gl.constexpr = gl.BlockedLayout([KPT, 8], [32, 1], [NW, 1], [1, 0])
-    # [TP, V]: the checkpoint's products of every token, the token axis inside a thread
+    # [TP, K]: the call's own entries (keys and values), the token axis inside a thread
     tl_: gl.constexpr = gl.BlockedLayout([TP, KPT], [1, 32], [1, NW], [0, 1])
+    # the sums over the threads' partials: 8 lanes of a row read it in consecutive 16-byte pieces (no bank conflicts)
+    sl: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [NW, 1], [1, 0])
+    flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    flat1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     ch: gl.constexpr = gl.SliceLayout(0, kl)  # [K] / [V]: KPT channels per thread
     rows: gl.constexpr = gl.SliceLayout(1, kl)  # [L]: every thread all of them
+    tv: gl.constexpr = gl.SliceLayout(1, tl_)  # [TP]: every thread all of them
+    rv: gl.constexpr = gl.SliceLayout(1, rl)  # [BR]: every thread all of them
+    wl: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])  # [L] or [TP] for stores: an element per thread
 
     i_n = gl.program_id(0)
     i_hv = gl.program_id(1)
@@ -241,25 +272,33 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
     p_skv = skv + o_reg
     sk = gl.load(p_skv + o_k)
 
-    # SPEC §6 steps 2-3 for the checkpoint: C (s_k x e_t) for x = k_t and q_t of every token, the codes then dead
+    # SPEC §6 steps 2-3 for the checkpoint: C (s_k x e_t) for x = k_t and q_t of every token, the codes then dead.
+    # One token keeps its inputs and products in registers; several park them in shared memory (each thread its
+    # own channels: no barrier)
     pc = pc0
-    dks = gl.zeros([TP, V], gl.float32, layout=tl_)
-    dqs = gl.zeros([TP, V], gl.float32, layout=tl_)
-    if T == 1:  # the token's inputs stay in registers for the ring's part
+    if T == 1:
         kk, qq, b_beta, pc, e, gx = _token(q, k, g, beta, 0, pc, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t, sk_h,
                                            sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, IS_KDA, USE_QK_L2NORM)
-        dk, dq = _checkpoint_products(a, kk, qq, e, sk, V, mma, lb, pl, ch)
-        dks = _put(dks, 0, dk, TP, tl_)
-        dqs = _put(dqs, 0, dq, TP, tl_)
+        dk, dq = _checkpoint_products(a, kk, qq, e, sk, V, mma, lb, pl, ch, NW)
     else:
+        ts = gl.allocate_shared_memory(gl.float32, [4 * TP, K], flat1)
         for t in range(T):  # a loop, not unrolled: unrolled, the tokens' products are scheduled side by side
             kk, qq, b_beta, pc, e, gx = _token(q, k, g, beta, t, pc, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t,
                                                sk_h, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, IS_KDA, USE_QK_L2NORM)
-            dk, dq = _checkpoint_products(a, kk, qq, e, sk, V, mma, lb, pl, ch)
-            dks = _put(dks, t, dk, TP, tl_)
-            dqs = _put(dqs, t, dq, TP, tl_)
+            dk, dq = _checkpoint_products(a, kk, qq, e, sk, V, mma, lb, pl, ch, NW)
+            ts.index(4 * t).store(kk)
+            ts.index(4 * t + 1).store(qq)
+            ts.index(4 * t + 2).store(dk)
+            ts.index(4 * t + 3).store(dq)
 
-    # the rank-R factors, and the history's first row before anything is overwritten
+    # the ring as the call found it, read once: its entries before j with their decays to the call (the products of
+    # the gates after them; every token's own gate then multiplies in), the rank-R factors
+    w0 = gl.load(p_w + o_l)
+    kd = _load_tile(p_kb, 0, j, L, K, kl, kv).to(gl.float32)
+    if IS_KDA:
+        kd = kd * gl.map_elementwise(_suffix16, _load_tile(p_gb, 1, j, L, K, kl, kv).to(gl.float32), pack=16)[0]
+    kd = kd * gl.where(o_l < j, w0, 0.0)[:, None]  # the weights in (GDN: their decays since, a factor of the call's)
+    ub = _load_tile(p_ub, 0, j, L, V, kl, kv)  # bf16 until used
     o_r = gl.arange(0, BR, layout=gl.SliceLayout(1, rl))
     o_kr = gl.arange(0, K, layout=gl.SliceLayout(0, rl))
     p_uq = uq + o_reg * 2
@@ -275,55 +314,92 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
             gl.store(hpcum + i_sh * HT * K + o_k, pc0)
         else:
             gl.store(hpcum + i_sh * HT, pc0)
-        gl.store(hw + i_sh * HT * L + o_l, gl.load(p_w + o_l))
+        gl.store(hw + i_sh * HT * L + o_l, w0)
 
-    if T > 1:
+    # the tokens: each one's sums over the channels (its products with the ring's keys, the call's earlier keys and
+    # the rank factors) in one pass through shared memory, two barriers
+    red1 = gl.allocate_shared_memory(gl.float32, [2 * L, KT], flat2)
+    red2 = gl.allocate_shared_memory(gl.float32, [NR2, KT], flat2)
+    sum1 = gl.allocate_shared_memory(gl.float32, [2 * L], flat1)
+    sum2 = gl.allocate_shared_memory(gl.float32, [NR2], flat1)
+    o_tp = gl.arange(0, TP, layout=tv)
+    # the ring's weights (GDN: decayed token by token) and the call's, an element per thread: for the stores
+    o_lw = gl.arange(0, L, layout=wl)
+    o_tw = gl.arange(0, TP, layout=wl)
+    w0w = gl.convert_layout(w0, wl)
+    wold = gl.where(o_lw < j, w0w, 0.0)
+    # the call's gates so far: per channel (KDA), or their product times every channel (GDN)
+    pk = gl.full([K], 1.0, gl.float32, layout=ch)
+    kn = gl.zeros([TP, K], gl.float32, layout=tl_)  # the call's entries: keys times their decays so far
+    un_t = gl.zeros([TP, V], gl.float32, layout=tl_)  # and their values
+    wn = gl.zeros([TP], gl.float32, layout=tv)  # and their weights
+    if T > 1:  # the gates again, token by token (one token: pc is the pcum after it)
         pc = pc0
     for t in range(T):  # a loop, not unrolled: T bodies side by side spill
-        if T > 1:  # one token: its inputs are still in registers
-            kk, qq, b_beta, pc, e, gx = _token(q, k, g, beta, t, pc, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t,
-                                               sk_h, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, IS_KDA, USE_QK_L2NORM)
         jt = j + t
-        # the ring before token t, from memory: the entries before jt (those past j this program stored for the
-        # earlier tokens), the rest zero; the gates shifted, row i holding gbuf[i + 1] and the new gate after the last
-        wv = gl.where(o_l < jt, gl.load(p_w + o_l), 0.0)
-        kb = _load_tile(p_kb, 0, jt, L, K, kl, kv).to(gl.float32)
-        # the ring's key products: w_i (kd_i . k), w_i (kd_i . q), kd_i the key times its decay d_i
-        if IS_KDA:
-            gs = _load_tile(p_gb, 1, jt, L, K, kl, kv).to(gl.float32)
-            gs = gl.where((o_l + 1 == jt)[:, None], gx.to(gl.float32)[None, :], gs)
-            kd = kb * gl.map_elementwise(_suffix16, gs, pack=16)[0]
+        if T == 1:  # its inputs are still in registers
+            kk2 = kk
+            qq2 = qq
+            dk2 = dk
+            dq2 = dq
         else:
-            wv = wv * gx
-            kd = kb
-        ck = wv * _reduce_rows(kd * kk[None, :], L, K, KPT, NW, rows)
-        cq = wv * _reduce_rows(kd * qq[None, :], L, K, KPT, NW, rows)
+            kk2 = ts.index(4 * t).load(ch)
+            qq2 = ts.index(4 * t + 1).load(ch)
+            dk2 = ts.index(4 * t + 2).load(ch)
+            dq2 = ts.index(4 * t + 3).load(ch)
+            b_beta, pc, e, gx = _gates(g, beta, t, pc, i_n64, i_hv, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, IS_KDA)
+        # the decays to this token: the ring's through the call's gates, the call's entries by this gate
+        if IS_KDA:
+            gxf = gx.to(gl.float32)
+            pk = pk * gxf
+            kn = kn * gl.convert_layout(gxf, gl.SliceLayout(0, tl_))[None, :]
+        else:
+            pk = pk * gx
+            wold = wold * gx
+            wn = gl.where(o_tp < t, wn * gx, wn)
+        xk = kk2 * pk
+        xq = qq2 * pk
+        kt = gl.convert_layout(kk2, gl.SliceLayout(0, tl_))
+        qt = gl.convert_layout(qq2, gl.SliceLayout(0, tl_))
+        red1.slice(0, L).store(_partials(kd * xk[None, :], L, K, KPT))
+        red1.slice(L, L).store(_partials(kd * xq[None, :], L, K, KPT))
+        red2.slice(0, TP).store(_partials(kn * kt[None, :], TP, K, KPT))
+        # the new entry (decay 1): kbuf[jt] = bf16(k), w_jt = beta; its q product with the others'
+        kj = kk2.to(gl.bfloat16)
+        kn = _put(kn, t, kj.to(gl.float32), TP, tl_)
+        wn = gl.where(o_tp == t, b_beta, wn)
+        red2.slice(OFF, TP).store(_partials(kn * qt[None, :], TP, K, KPT))
         # the old rank-R part: a_r = u_r . (x e)
-        ak = gl.sum(ur.to(gl.float32) * gl.convert_layout(kk * e, gl.SliceLayout(0, rl))[None, :], axis=1)
-        aq = gl.sum(ur.to(gl.float32) * gl.convert_layout(qq * e, gl.SliceLayout(0, rl))[None, :], axis=1)
-        # the value side, in the ring's layout: ring and rank sums inside a thread
-        ub = _load_tile(p_ub, 0, jt, L, V, kl, kv).to(gl.float32)
-        rk = gl.sum(ub * ck[:, None], axis=0)
-        rq = gl.sum(ub * cq[:, None], axis=0)
+        urf = ur.to(gl.float32)
+        red2.slice(2 * OFF, BR).store(_partials(urf * gl.convert_layout(kk2 * e, gl.SliceLayout(0, rl))[None, :],
+                                                BR, K, KPT))
+        red2.slice(2 * OFF + BR, BR).store(_partials(urf * gl.convert_layout(qq2 * e, gl.SliceLayout(0, rl))[None, :],
+                                                     BR, K, KPT))
+        gl.thread_barrier()
+        sum1.store(gl.sum(red1.load(sl), axis=1))
+        sum2.store(gl.sum(red2.load(sl), axis=1))
+        gl.thread_barrier()
+        ck = sum1.slice(0, L).load(rows)
+        cq = sum1.slice(L, L).load(rows)
+        cnk = wn * sum2.slice(0, TP).load(tv)
+        cnq = wn * sum2.slice(OFF, TP).load(tv)
+        ak = sum2.slice(2 * OFF, BR).load(rv)
+        aq = sum2.slice(2 * OFF + BR, BR).load(rv)
+        # the value side: the ring's, the call's and the rank's sums inside a thread
+        ubf = ub.to(gl.float32)
+        rk = gl.sum(ubf * ck[:, None], axis=0) + gl.convert_layout(gl.sum(un_t * cnk[:, None], axis=0), ch)
         lk = gl.convert_layout(gl.sum(qr.to(gl.float32) * ak[:, None], axis=0), ch)
-        lq = gl.convert_layout(gl.sum(qr.to(gl.float32) * aq[:, None], axis=0), ch)
-        p = sv * _row_of(dks, t, TP, tl_, ch) + lk + rk
+        p = sv * dk2 + lk + rk
         un = (gl.load(v + i_n64 * sv_n + t * sv_t + i_hv * sv_h + o_v).to(gl.float32) - p).to(gl.bfloat16)
-        # the new entry (decay 1): kbuf[j] = bf16(k), w_j = beta, and what it adds to o per unit of ubuf[j]
-        kj = kk.to(gl.bfloat16)
-        cj = b_beta * gl.sum(kj.to(gl.float32) * qq, axis=0)
-        o = sv * _row_of(dqs, t, TP, tl_, ch) + lq + rq + un.to(gl.float32) * cj
+        un_t = _put(un_t, t, un.to(gl.float32), TP, tl_)
+        rq = gl.sum(ubf * cq[:, None], axis=0) + gl.convert_layout(gl.sum(un_t * cnq[:, None], axis=0), ch)
+        lq = gl.convert_layout(gl.sum(qr.to(gl.float32) * aq[:, None], axis=0), ch)
+        o = sv * dq2 + lq + rq
         _store_out(p_o + t * so_t, scale * o)
 
-        # every thread has read w (replicated over threads) before any overwrites it
-        gl.thread_barrier()
         m_new = gl.where(jt >= 0, o_k < K, False)  # an invalid negative count writes no entry, as the reference
-        wv = gl.where(o_l == jt, b_beta, wv)
         if IS_KDA:
             gl.store(p_gb + jt * K + o_k, gx, mask=m_new)
-            gl.store(p_w + jt, b_beta, mask=jt >= 0)
-        else:
-            gl.store(p_w + o_l, wv, mask=o_l <= jt)
         gl.store(p_kb + jt * K + o_k, kj, mask=m_new)
         gl.store(p_ub + jt * V + o_v, un, mask=m_new)
         if HIST:
@@ -331,12 +407,15 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
                 gl.store(hpcum + (i_sh * HT + t + 1) * K + o_k, pc)
             else:
                 gl.store(hpcum + i_sh * HT + t + 1, pc)
-            # past entry jt the row is as the call found it: this program writes no entry past jt before token jt
-            gl.store(hw + (i_sh * HT + t + 1) * L + o_l, gl.where(o_l <= jt, wv, gl.load(p_w + o_l, mask=o_l > jt)))
-        if T > 1:  # the next token reads this one's entry
-            gl.thread_barrier()
+            # the weights after token t: the ring's, the call's up to t, and past jt the row as the call found it
+            p_hw = hw + (i_sh * HT + t + 1) * L
+            gl.store(p_hw + o_lw, gl.where(o_lw < j, wold, w0w), mask=(o_lw < j) | (o_lw > jt))
+            gl.store(p_hw + j + o_tw, gl.convert_layout(wn, wl), mask=(o_tw <= t) & (j + o_tw >= 0))
     if IS_KDA:
         gl.store(p_pc + o_k, pc)
     else:
         gl.store(p_pc, pc)
+        gl.store(p_w + o_lw, wold, mask=o_lw < j)
+    # the call's entries (jt < 0: none)
+    gl.store(p_w + j + o_tw, gl.convert_layout(wn, wl), mask=(o_tw < T) & (j + o_tw >= 0))
     gl.store(hcnt + i_sh, j + T)
