@@ -170,7 +170,7 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             raise NotImplementedError("leapquant.step with T > 1 tokens per row or num_accepted runs eagerly (and "
                                       "under CUDA graphs), not inside torch.compile")
         if num_accepted is not None:
-            accept(pool, idx, num_accepted, check=check)
+            accept(pool, idx, num_accepted, check=check, backend=backend)
     if T > 1:
         return _step_tokens(pool, idx, T, q, k, v, g, beta, scale, use_qk_l2norm, out, backend, check)
     if not torch.compiler.is_compiling():
@@ -231,7 +231,8 @@ def _step_tokens(pool: Pool, idx, T: int, q, k, v, g, beta, scale, use_qk_l2norm
     return out
 
 
-def accept(pool: Pool, idx: torch.Tensor, num_accepted: torch.Tensor, check: bool = True) -> None:
+def accept(pool: Pool, idx: torch.Tensor, num_accepted: torch.Tensor, check: bool = True,
+           backend: BackendName = "auto") -> None:
     """Keep the first ``num_accepted[n]`` of the tokens the last step gave row n, and take the others back (SPEC
     §6.1): afterwards the pool behaves as if only those tokens had been stepped after that call's flush (the flush
     stays). A cursor move: the fill count, ``pcum`` and ``w`` of each named slot's heads go back to what the call
@@ -245,6 +246,8 @@ def accept(pool: Pool, idx: torch.Tensor, num_accepted: torch.Tensor, check: boo
         check: also check the values (a host synchronisation): ``idx`` in range, no slot twice, every
             ``num_accepted`` within its row's last T. With ``False`` (graph-capturable, no synchronisation) a value
             outside ``0 .. T`` is clamped into it.
+        backend: the step's (``select(pool, backend)``): the Triton backend writes the pool in one kernel launch,
+            the others in torch; the bytes written are the same.
 
     Raises:
         TypeError, ValueError: a wrong type, dtype, shape or device; a pool without history; with ``check`` also
@@ -266,16 +269,27 @@ def accept(pool: Pool, idx: torch.Tensor, num_accepted: torch.Tensor, check: boo
     _check_call(pool, idx, check)
     if idx.numel() == 0:
         return
+    if check:
+        from .reference import _rows
+
+        real, safe = _rows(pool, idx)[:2]
+        count = hist.count[safe]  # [B, HV]: T of each head's last step
+        n = num_accepted.long()[:, None].expand_as(count)
+        if bool((real[:, None] & ((n < 0) | (n > count))).any()):
+            bad = int(torch.nonzero((real[:, None] & ((n < 0) | (n > count))).any(1))[0])
+            raise ValueError(f"num_accepted[{bad}] = {int(num_accepted[bad])} is outside 0 .. T = "
+                             f"{int(count[bad].max())} of its row's last step")
+    launch(pool, getattr(resolve(backend, pool, "step"), "accept", None) or accept_torch, idx, num_accepted)
+
+
+def accept_torch(pool: Pool, idx: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    """:func:`accept` in torch, its arguments checked (the form of the backends without a kernel for it)."""
     from .reference import _record, _rows  # the reference's row rules: each slot written once, padding never
 
+    hist = pool.history
     real, safe, first, src = _rows(pool, idx)
     count = hist.count[safe]  # [B, HV]: T of each head's last step
-    n = num_accepted.long()[:, None].expand_as(count)
-    if check and bool((real[:, None] & ((n < 0) | (n > count))).any()):
-        bad = int(torch.nonzero((real[:, None] & ((n < 0) | (n > count))).any(1))[0])
-        raise ValueError(f"num_accepted[{bad}] = {int(num_accepted[bad])} is outside 0 .. T = "
-                         f"{int(count[bad].max())} of its row's last step")
-    n = torch.minimum(n.clamp_min(0), count.long())
+    n = torch.minimum(num_accepted.long()[:, None].expand_as(count).clamp_min(0), count.long())
     L = pool.ring
     start = hist.start[safe].long()
     j0 = torch.where(start >= L, torch.zeros_like(start), start)

@@ -93,6 +93,18 @@ class TritonBackend(Backend):
 
         gates_pool(pool, a, b, A_log, dt_bias, lower_bound, g, beta)
 
+    def accept(self, pool: "Pool", idx: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """:func:`leapquant.accept` (checked) in one kernel launch (:mod:`.accept`); in torch where the pool's
+        tensors are not dense."""
+        from .accept import accept_pool, dense
+
+        if dense(pool):
+            accept_pool(pool, idx, num_accepted)
+        else:
+            from leapquant.ops import accept_torch
+
+            accept_torch(pool, idx, num_accepted)
+
     def load_states(self, pool: "Pool", slots: torch.Tensor, states: torch.Tensor, state_v_first: bool) -> None:
         from .states import load_states_pool
 

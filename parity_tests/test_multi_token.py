@@ -188,6 +188,34 @@ def test_accept_leaves_padding_and_unnamed_slots():
         assert torch.equal(a[[0, 3, 4, 5]], b[[0, 3, 4, 5]]), name
 
 
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_triton_accept_writes_the_torch_bytes(gate):
+    """The Triton backend's accept kernel (the interpreter on a CPU) writes what the torch form writes, bit for bit:
+    a slot named twice (the first row's values), padding rows, values outside 0..T clamped (``check=False``), rings
+    that were full before the call, and no byte of any other slot."""
+    pytest.importorskip("triton")
+    T = 3
+    made, gen = _pool(gate, T, L=8, seed=40, counts=torch.tensor([[8, 2, 0, 5]] * 5))
+    idx = torch.tensor([2, 0, 5, 1, 3], dtype=torch.int32)
+    leapquant.step(made, idx, **_tokens(made, idx.numel(), T, 2, gen), backend="reference")
+    pool = _twin(made, DEVICE)
+    other = _twin(made, DEVICE)
+    again = torch.tensor([3, 0, 5, 1, 3, 2, 0], dtype=torch.int32, device=DEVICE)  # slot 3 twice
+    n = torch.tensor([1, 2, 9, -4, 0, 3, 1], dtype=torch.int32, device=DEVICE)
+    leapquant.accept(pool, again, n, check=False, backend="triton")
+    leapquant.accept(other, again, n, check=False, backend="reference")
+    a, b = parity.snapshot(pool), parity.snapshot(other)
+    assert [k for k in a if not torch.equal(parity.as_bytes(a[k]), parity.as_bytes(b[k]))] == []
+    for name in ("start", "count", "pcum", "w"):
+        assert torch.equal(getattr(pool.history, name), getattr(other.history, name)), name
+    # the accepted counts themselves, from the oracle's rule: slot 3 takes its first row's 1, slot 1 takes 0
+    hist = made.history
+    start = hist.start.to(DEVICE)
+    j0 = torch.where(start >= 8, torch.zeros_like(start), start)
+    assert torch.equal(pool.hcnt[3], (j0[3] + 1).int()) and torch.equal(pool.hcnt[1], start[1])
+    assert torch.equal(pool.hcnt[5], (j0[5] + T).int())  # 9 clamped to T
+
+
 def test_errors():
     pool, gen = _pool("kda", 2, L=8, seed=5)
     idx = torch.tensor([1, 2], dtype=torch.int32)
