@@ -13,16 +13,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .flush_kernel import _named_before
 from .launcher import Launcher
-
-# the rows of ``idx`` one step of the search for an earlier row naming the same slot looks at
-SCAN = 256
 
 
 @triton.jit
-def leapquant_accept_kernel(idx, nacc, start, count, hpcum, hw, hcnt, pcum, w, gbuf, N, NS, HV,
+def leapquant_accept_kernel(idx, nacc, start, count, hpcum, hw, hcnt, pcum, w, gbuf, NS, HV,
                             FIRST: tl.constexpr, L: tl.constexpr, K: tl.constexpr, PK: tl.constexpr,
-                            HT: tl.constexpr, IS_KDA: tl.constexpr, SCAN: tl.constexpr):
+                            HT: tl.constexpr, IS_KDA: tl.constexpr):
     """Program (row n, value head hv): for slot ``s = idx[n]`` (a real slot, no earlier row naming it), with
     ``c = count[s, hv]`` and ``m = clamp(nacc[n], 0, c)``: ``hcnt = start`` if ``m == 0`` else ``j0 + m``,
     ``pcum`` (``PK`` values) and ``w`` (``L``) the history's after m tokens, ``count = m``, and (KDA) ``gbuf``'s
@@ -32,13 +30,7 @@ def leapquant_accept_kernel(idx, nacc, start, count, hpcum, hw, hcnt, pcum, w, g
     s = tl.load(idx + i_n).to(tl.int64)
     if (s < FIRST) | (s >= NS):
         return
-    # a slot named by several rows is written once, by the first of them (as the torch form)
-    earlier = 0
-    for r0 in range(0, i_n, SCAN):
-        o_r = r0 + tl.arange(0, SCAN)
-        earlier += tl.sum(((tl.load(idx + o_r, mask=o_r < i_n, other=-1).to(tl.int64) == s) & (o_r < i_n))
-                          .to(tl.int32), axis=0)
-    if earlier > 0:
+    if _named_before(idx, i_n, s) > 0:  # a slot named by several rows is written once, by the first of them
         return
     sh = s * HV + i_hv
     c = tl.load(count + sh)
@@ -78,6 +70,6 @@ def accept_pool(pool, idx: torch.Tensor, num_accepted: torch.Tensor) -> None:
     hist = pool.history
     args = dict(idx=idx, nacc=num_accepted, start=hist.start, count=hist.count, hpcum=hist.pcum, hw=hist.w,
                 hcnt=pool.hcnt, pcum=pool.pcum, w=pool.w, gbuf=pool.gbuf if pool.gbuf is not None else pool.w,
-                N=B, NS=pool.num_slots, HV=pool.heads, FIRST=pool.first_slot, L=pool.ring, K=pool.head_k,
-                PK=pool.pcum.shape[-1], HT=hist.pcum.shape[2], IS_KDA=pool.gate == "kda", SCAN=SCAN)
+                NS=pool.num_slots, HV=pool.heads, FIRST=pool.first_slot, L=pool.ring, K=pool.head_k,
+                PK=pool.pcum.shape[-1], HT=hist.pcum.shape[2], IS_KDA=pool.gate == "kda")
     _LAUNCHER((B, pool.heads), args, OPTIONS)

@@ -1,6 +1,6 @@
 """Ahead-of-time compile check of the flush, step and states kernels for every CUDA architecture the Triton backend
 claims, no GPU needed: ``python -m leapquant_triton.portability [--arch 80,90] [--quick]
-[--ops flush,force,step,states]``.
+[--ops flush,force,step,states,engine]``.
 
 For each (architecture, shape) it runs Triton's own pipeline down to a cubin with ``triton.compile(ASTSource(...),
 target=GPUTarget("cuda", cc, 32))``, then reads the resource use back from ``ptxas -v`` (Triton's bundled ptxas, the
@@ -8,10 +8,10 @@ same flags Triton uses) and compares it with the architecture's limits. It exits
 not compile, does not fit (255 registers per thread, the shared memory per block of that architecture, no spills
 beyond :data:`MAX_SPILL_BYTES`), or does not take the tensor-core lowering it must: ``mma.sync`` for the flush's
 ``tl.dot`` and the states kernels' (the backend forces it), ``mma.sync`` or none for the step (:func:`mma_family` of
-the PTX). The flush's builds (``grid``, ``list``; the forced flush's ``grid-force``) and the states builds
-(``load``, ``states``; ``-kv``: FLA's ``[K, V]`` state layout) are claimed on :data:`.targets.SUPPORTED_CAPABILITIES`,
-the step's (``step``) on :data:`.targets.STEP_CAPABILITIES`, sm_75 included; targets not claimed are compiled and
-reported but cannot fail.
+the PTX), none at all for the engine calls' small kernels (``accept``, ``gates``). The flush's builds (``grid``,
+``list``; the forced flush's ``grid-force``) and the states builds (``load``, ``states``; ``-kv``: FLA's ``[K, V]``
+state layout) are claimed on :data:`.targets.SUPPORTED_CAPABILITIES`, the step's (``step``) and the engine calls' on
+:data:`.targets.STEP_CAPABILITIES`, sm_75 included; targets not claimed are compiled and reported but cannot fail.
 """
 
 from __future__ import annotations
@@ -73,8 +73,10 @@ STEP_GLUON = "step-gluon"
 STATES = tuple(f"{which}{lay}" for which in STATES_KERNELS for lay in ("", "-kv"))
 # the forced flush's build (FORCE: partially filled rings, SPEC §2; the grid schedule only)
 FORCED = ("grid-force",)
+# the engine calls' small kernels: accept's (SPEC §6.1) and step_packed's gates (§6.2), no tensor cores
+ENGINE = ("accept", "gates")
 # the builds of each op, as --ops selects them
-OPS = {"flush": SCHEDULES, "force": FORCED, "step": (STEP, STEP_GLUON), "states": STATES}
+OPS = {"flush": SCHEDULES, "force": FORCED, "step": (STEP, STEP_GLUON), "states": STATES, "engine": ENGINE}
 
 
 @dataclass
@@ -186,6 +188,8 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
         return compile_step(arch, shape, num_warps, gluon=kernel == STEP_GLUON)
     if kernel in STATES:
         return compile_states(arch, shape, kernel.removesuffix("-kv"), not kernel.endswith("-kv"))
+    if kernel in ENGINE:
+        return compile_engine(arch, shape, kernel)
     if kernel not in SCHEDULES + FORCED:
         raise ValueError(f"kernel must be one of {SCHEDULES + FORCED + (STEP, STEP_GLUON) + STATES}, not {kernel!r}")
     force = kernel in FORCED
@@ -258,6 +262,38 @@ def compile_states(arch: int, shape: Shape, which: str, state_v_first: bool = Tr
     return rep
 
 
+def compile_engine(arch: int, shape: Shape, which: str) -> Report:
+    """Compile ``which`` (:data:`ENGINE`) as the Triton backend launches it for a pool of ``shape`` (accept: the
+    history of a pool made with ``max_tokens = L / 2``; gates: 32 value heads, no lower bound) and check it as the
+    other builds, with no tensor-core instruction at all."""
+    from .accept import OPTIONS as ACCEPT_OPTIONS
+    from .accept import leapquant_accept_kernel
+    from .gates import OPTIONS as GATES_OPTIONS
+    from .gates import leapquant_gates_kernel
+
+    kda = shape.gate == "kda"
+    if which == "accept":
+        fn, options = leapquant_accept_kernel, ACCEPT_OPTIONS
+        constexprs = dict(FIRST=FIRST_SLOT, L=shape.ring, K=shape.head_k, PK=shape.head_k if kda else 1,
+                          HT=shape.ring // 2 + 1, IS_KDA=kda)
+        pointers = dict(idx="*i32", nacc="*i32", start="*i32", count="*i32", hpcum="*fp32", hw="*fp32", hcnt="*i32",
+                        pcum="*fp32", w="*fp32", gbuf="*fp16")
+        scalars = {}
+    elif which == "gates":
+        fn, options = leapquant_gates_kernel, GATES_OPTIONS
+        constexprs = dict(HV=32, K=shape.head_k, IS_KDA=kda, USE_LOWER_BOUND=False, NATIVE=True)
+        pointers = dict(a="*bf16", b="*bf16", A_log="*fp32", dt_bias="*fp32", g="*fp32", beta="*fp32")
+        scalars = dict(lower_bound="fp32")
+    else:
+        raise ValueError(f"which must be one of {ENGINE}, not {which!r}")
+    signature = {a: pointers.get(a) or scalars.get(a) or ("constexpr" if a in constexprs else "i32")
+                 for a in fn.arg_names}
+    rep = _build(fn, signature, constexprs, pointers, arch, dict(options),
+                 Report(arch, shape, which, options["num_warps"], ok=False))
+    rep.ok = rep.ok and rep.mma == "none"
+    return rep
+
+
 def _build(fn, signature: dict, constexprs: dict, pointers: dict, arch: int, options: dict, rep: Report) -> Report:
     """``fn`` through Triton's pipeline for ``sm_<arch>``, its resources into ``rep``; ``rep.ok``: it fits the
     architecture's registers, spill allowance and shared memory (the caller adds its lowering's condition)."""
@@ -291,7 +327,7 @@ def _build(fn, signature: dict, constexprs: dict, pointers: dict, arch: int, opt
 
 def claimed(rep: Report) -> bool:
     """Whether the backend claims ``rep``'s build on its architecture (only claimed builds can fail the check)."""
-    return rep.claim and rep.arch in (STEP_CAPABILITIES if rep.kernel == STEP else SUPPORTED_CAPABILITIES)
+    return rep.claim and rep.arch in (STEP_CAPABILITIES if rep.kernel in (STEP,) + ENGINE else SUPPORTED_CAPABILITIES)
 
 
 def check(archs=ARCHS, shapes=SHAPES, out=sys.stdout, ops=tuple(OPS)) -> list[Report]:

@@ -78,6 +78,19 @@ def test_forced_flush_build_fits():
         assert m and int(m[2]) <= MAX_SPILL_BYTES, line
 
 
+@pytest.mark.slow
+def test_engine_kernels_fit():
+    """accept's and step_packed's gate kernels fit every architecture the step claims, sm_75 included, with no
+    tensor-core instruction and no spill."""
+    res = _run("--quick", "--ops", "engine", "--arch", ",".join(map(str, STEP_CAPABILITIES)))
+    assert res.returncode == 0, res.stdout + res.stderr[-4000:]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("sm_")]
+    assert len(rows) == 2 * 2 * len(STEP_CAPABILITIES), res.stdout
+    for line in rows:
+        m = re.search(r" (accept|gates) +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B .* none ", line)
+        assert m and int(m[3]) == 0 and "(not claimed)" not in line, line
+
+
 @pytest.mark.parametrize("ptx,family", [
     ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%f1, %f2, %f3, %f4}, ...;", "mma.sync"),
     ("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%f1}, %rd1, %rd2, 1, 1, 1, 0, 0;", "wgmma"),
