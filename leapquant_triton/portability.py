@@ -191,7 +191,8 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
     if kernel in ENGINE:
         return compile_engine(arch, shape, kernel)
     if kernel not in SCHEDULES + FORCED:
-        raise ValueError(f"kernel must be one of {SCHEDULES + FORCED + (STEP, STEP_GLUON) + STATES}, not {kernel!r}")
+        raise ValueError(f"kernel must be one of {SCHEDULES + FORCED + (STEP, STEP_GLUON) + STATES + ENGINE}, "
+                         f"not {kernel!r}")
     force = kernel in FORCED
     schedule = kernel.removesuffix("-force")
     nw, maxnreg = warps_and_cap(shape.head_k, shape.head_v, num_warps, maxnreg)  # the backend's launch
