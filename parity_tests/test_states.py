@@ -80,15 +80,19 @@ SHAPES = [
                          ids=[f"{g}-K{k}V{v}-L{l}-R{r}-it{i}" for k, v, l, r, g, i in SHAPES])
 def test_load_states_parity(head_k, head_v, ring, rank, gate, iters, state_v_first):
     """SPEC §4 on every loaded (slot, head), both layouts of the given state; nothing written outside the given slots'
-    checkpoints and ring rows (slots 0, 2 and 4 keep their random bytes), their rings reset, ``hcnt = 0``."""
-    pool, g = _poisoned(5, 2, head_k, head_v, ring, rank, gate, iters,
+    checkpoints and ring rows (slots 0, 2, 4 and 10 keep their random bytes), their rings reset, ``hcnt = 0``.
+
+    Four states of each regime, 16 programs: the batch criterion (RMS of the ratios <= 1.003) judges a batch's mean,
+    and single programs' ratios spread by about 1 % either way at 64 x 64 (int8 rounding boundaries move with the
+    summation order), so over 4 programs one such program decided it."""
+    pool, g = _poisoned(12, 2, head_k, head_v, ring, rank, gate, iters,
                         seed=zlib.crc32(repr((head_k, head_v, ring, rank, gate, iters)).encode()) % 1000)
-    S = torch.cat([_states(pool, 1, r, g) for r in ("lowrank", "large_columns")])
+    S = torch.cat([_states(pool, 4, r, g) for r in ("lowrank", "large_columns")])
     if not state_v_first:
         S = S.transpose(-1, -2).contiguous()  # FLA's [n, HV, K, V]
-    slots = torch.tensor([3, 1], dtype=torch.int32, device=DEVICE)
+    slots = torch.tensor([3, 1, 5, 7, 9, 11, 6, 8], dtype=torch.int32, device=DEVICE)
     p = parity.measure_load_states(pool, slots, S, "triton", state_v_first=state_v_first, check=False)
-    assert p.count == 2 * pool.heads
+    assert p.count == 8 * pool.heads
     assert p.reference_ok() and p.ok(), p.failures()
 
 
