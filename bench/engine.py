@@ -13,7 +13,8 @@ its floor = the bytes the call must move over the copy bandwidth measured in the
   tokens read; ``hcnt``, ``pcum``, ``w`` and the count written; KDA also the gates of the T - n entries taken back
   (fp16 [K] each); per row its slot and n. Every n in 0 .. T drawn at random.
 * ``copy_slots``, per pair and head: the slot's checkpoint (its bytes in ``raw``) and ring (``kbuf``, ``ubuf``,
-  ``w``, ``pcum``, ``gbuf``) and ``hcnt`` read and written; per pair ``src`` and ``dst``.
+  ``w``, ``pcum``, ``gbuf``) and ``hcnt`` read and written; per pair ``src`` and ``dst``. The step's backend (the
+  Triton kernels on a GPU) and, as ``copy_slots ..., torch``, the torch form the other backends take.
 
 After timing each result is checked: the counts ``accept`` leaves (SPEC §6.1's rule) and the copied slots' bytes.
 """
@@ -110,8 +111,13 @@ def run(device: torch.device, batch: int, heads: int, dim: int, pairs: int, budg
         free = torch.tensor(sorted(set(range(1, pool.num_slots)) - set(slots.tolist())))[:pairs]
         src = slots[:pairs].to(device)
         dst = free.to(device)
-        timed(f"copy_slots {pairs} pairs", gate, lambda: pool.copy_slots(src, dst, check=False),
-              pairs * (pool.heads * head_bytes(pool)["copy"] + head_bytes(pool)["per_row"]), pairs=pairs)
+        copy_floor = pairs * (pool.heads * head_bytes(pool)["copy"] + head_bytes(pool)["per_row"])
+        timed(f"copy_slots {pairs} pairs", gate, lambda: pool.copy_slots(src, dst, check=False), copy_floor,
+              pairs=pairs, backend=leapquant.select(pool, op="step").name)
+        # the torch form (the backends without a copy kernel) beside it
+        timed(f"copy_slots {pairs} pairs, torch", gate,
+              lambda: pool.copy_slots(src, dst, check=False, backend="reference"), copy_floor, pairs=pairs,
+              backend="reference")
         a, b = pool.checkpoint(src.cpu()), pool.checkpoint(dst.cpu())
         same = all((a[name] is None and b[name] is None) or torch.equal(a[name], b[name]) for name in a)
         same = same and torch.equal(pool.hcnt[src], pool.hcnt[dst])

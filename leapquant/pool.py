@@ -328,7 +328,7 @@ class Pool:
         if s.numel():
             launch(self, b.load_states, s, S, bool(state_v_first))
 
-    def copy_slots(self, src, dst, *, check: bool = True) -> None:
+    def copy_slots(self, src, dst, *, check: bool = True, backend: str = "auto") -> None:
         """Copy slot ``src[i]`` into slot ``dst[i]`` for every ``i`` (SPEC §5.3): every head's checkpoint (its
         ``checkpoint_bytes`` in ``raw``), ring (``kbuf``, ``ubuf``, ``w``, ``gbuf``), ``pcum`` and ``hcnt``, bit for
         bit. Prefix caching: a sequence's state at a block boundary copied into a cache slot, or a cached one into a
@@ -345,11 +345,20 @@ class Pool:
                 With ``check=False``: int32 or int64 tensors, 1-D, contiguous, on the pool's device, of one length
                 (metadata only, no synchronisation: graph-capturable); a pair whose ``src`` or ``dst`` is not a real
                 slot is skipped (nothing written for it), and a ``dst`` named twice gets one of its copies.
+            backend: the step's (``leapquant.select(pool, backend, op="step")``): the Triton backend copies in two
+                kernel launches (``leapquant_triton.copy``); the others, and pools whose ring tensors are not dense,
+                in torch (:meth:`copy_slots_torch`).
         """
         self.check_layout(force=check)
         s, d = check_copy_slots(self, src, dst, check)
         if s.numel() == 0:
             return
+        fn = getattr(resolve(backend, self, "step"), "copy_slots", None)
+        launch(self, fn or Pool.copy_slots_torch, s, d)
+
+    def copy_slots_torch(self, s: torch.Tensor, d: torch.Tensor) -> None:
+        """:meth:`copy_slots` in torch, ``s`` and ``d`` checked: every tensor's rows gathered into temporaries, then
+        scattered (the form of the backends without a kernel for it)."""
         s, d = s.long(), d.long()
         ok = self._real(s) & self._real(d)
         if not _without_sync(self):

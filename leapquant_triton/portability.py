@@ -8,9 +8,9 @@ same flags Triton uses) and compares it with the architecture's limits. It exits
 not compile, does not fit (255 registers per thread, the shared memory per block of that architecture, no spills
 beyond :data:`MAX_SPILL_BYTES`), or does not take the tensor-core lowering it must: ``mma.sync`` for the flush's
 ``tl.dot`` and the states kernels' (the backend forces it), ``mma.sync`` or none for the step (:func:`mma_family` of
-the PTX), none at all for the engine calls' small kernels (``accept``, ``gates``). The flush's builds (``grid``,
-``list``; the forced flush's ``grid-force``) and the states builds (``load``, ``states``; ``-kv``: FLA's ``[K, V]``
-state layout) are claimed on :data:`.targets.SUPPORTED_CAPABILITIES`, the step's (``step``) and the engine calls' on
+the PTX), none at all for the engine calls' small kernels (``accept``, ``gates``, ``copy``). The flush's builds
+(``grid``, ``list``; the forced flush's ``grid-force``) and the states builds (``load``, ``states``; ``-kv``: FLA's
+``[K, V]`` state layout) are claimed on :data:`.targets.SUPPORTED_CAPABILITIES`, the step's (``step``) and the engine calls' on
 :data:`.targets.STEP_CAPABILITIES`, sm_75 included; targets not claimed are compiled and reported but cannot fail.
 """
 
@@ -73,8 +73,9 @@ STEP_GLUON = "step-gluon"
 STATES = tuple(f"{which}{lay}" for which in STATES_KERNELS for lay in ("", "-kv"))
 # the forced flush's build (FORCE: partially filled rings, SPEC §2; the grid schedule only)
 FORCED = ("grid-force",)
-# the engine calls' small kernels: accept's (SPEC §6.1) and step_packed's gates (§6.2), no tensor cores
-ENGINE = ("accept", "gates")
+# the engine calls' small kernels, no tensor cores: accept's (SPEC §6.1), step_packed's gates (§6.2), copy_slots'
+# (§5.3)
+ENGINE = ("accept", "gates", "copy")
 # the builds of each op, as --ops selects them
 OPS = {"flush": SCHEDULES, "force": FORCED, "step": (STEP, STEP_GLUON), "states": STATES, "engine": ENGINE}
 
@@ -279,6 +280,20 @@ def compile_engine(arch: int, shape: Shape, which: str) -> Report:
                           HT=shape.ring // 2 + 1, IS_KDA=kda)
         pointers = dict(idx="*i32", nacc="*i32", start="*i32", count="*i32", hpcum="*fp32", hw="*fp32", hcnt="*i32",
                         pcum="*fp32", w="*fp32", gbuf="*fp16")
+        scalars = {}
+    elif which == "copy":
+        from .copy import BLOCK as COPY_BLOCK
+        from .copy import OPTIONS as COPY_OPTIONS
+        from .copy import leapquant_copy_slots_kernel
+
+        g = _geometry(shape)
+        fn, options = leapquant_copy_slots_kernel, COPY_OPTIONS
+        # the first launch (both copies in it: straight and into the temporary), the words of a pool of ``shape``
+        constexprs = dict(FIRST=FIRST_SLOT, CW=g.checkpoint_bytes // 4, KW=shape.ring * shape.head_k // 2,
+                          UW=shape.ring * shape.head_v // 2, WW=shape.ring, PW=shape.head_k if kda else 1,
+                          GW=shape.ring * shape.head_k // 2 if kda else 0, BLOCK=COPY_BLOCK, SECOND=False)
+        pointers = dict(src="*i32", dst="*i32", tmp="*i32", ckpt="*i32", kbuf="*i32", ubuf="*i32", w="*i32",
+                        pcum="*i32", gbuf="*i32", hcnt="*i32")
         scalars = {}
     elif which == "gates":
         fn, options = leapquant_gates_kernel, GATES_OPTIONS

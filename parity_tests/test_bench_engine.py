@@ -28,7 +28,8 @@ def test_cpu_smoke(tmp_path):
     assert engine.main(["--cpu-smoke", "--out", str(tmp_path)]) == 0
     doc = json.loads((tmp_path / "engine_cpu.json").read_text())
     assert [(c["gate"], c["case"]) for c in doc["cases"]] == [
-        ("kda", "accept T=4"), ("kda", "copy_slots 2 pairs"), ("gdn", "accept T=4"), ("gdn", "copy_slots 2 pairs")]
+        ("kda", "accept T=4"), ("kda", "copy_slots 2 pairs"), ("kda", "copy_slots 2 pairs, torch"),
+        ("gdn", "accept T=4"), ("gdn", "copy_slots 2 pairs"), ("gdn", "copy_slots 2 pairs, torch")]
     assert all(c["floor_us"] > 0 and c["median_us"] > 0 for c in doc["cases"])
     assert doc["ok"] and len(doc["checks"]) == 4
     assert "| kda | accept T=4 |" in (tmp_path / "engine_cpu.md").read_text()

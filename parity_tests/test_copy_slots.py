@@ -19,7 +19,7 @@ from leapquant.tools.workloads import fill
 
 from .strategies import random_bits
 
-PATHS = ["exact", "graph"]
+PATHS = ["exact", "graph", "triton"]
 # on a GPU the pools live there (both variants then take the path without synchronisation, CUDA's)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 RINGS = ("kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt")
@@ -29,11 +29,21 @@ def _t(*values, dtype=torch.int64):
     return torch.tensor(values, dtype=dtype, device=DEVICE)
 
 
-def _path(path: str, monkeypatch) -> None:
+def _path(path: str, monkeypatch) -> str:
+    """The backend of a test's copies: ``triton`` the Triton backend's kernels (under the interpreter on the CPU), the
+    others the step's backend here (the reference's torch form on the CPU, with or without host reads)."""
     if path == "graph":
         import leapquant.pool as pool_module
 
         monkeypatch.setattr(pool_module, "_without_sync", lambda pool: True)
+    if path == "triton":
+        pytest.importorskip("triton")
+        from leapquant_triton.backend import TritonBackend
+
+        if not TritonBackend().available()[0]:
+            pytest.skip(TritonBackend().available()[1])
+        return "triton"
+    return "auto"
 
 
 def _poisoned(gate="kda", convention="vllm", layout="engine", num_slots=7, heads=3, seed=0) -> leapquant.Pool:
@@ -78,7 +88,7 @@ def test_copies_bit_for_bit(layout, gate, convention, path, monkeypatch):
     """A permutation of three slots, one slot fanned out to two others, a slot copied onto itself: every dst holds its
     src's old bytes, every other byte (other slots, an engine region's tail and spare head, the OFF prefix, q0) as
     it was. Tensors of int32 and int64, on the pool's device, and Python lists, with and without check."""
-    _path(path, monkeypatch)
+    backend = _path(path, monkeypatch)
     pool = _poisoned(gate, convention, layout, seed=3 + (gate == "gdn"))
     f = pool.first_slot
     src = [f + 1, f + 2, f, f + 4, f + 4, f + 3]
@@ -88,14 +98,14 @@ def test_copies_bit_for_bit(layout, gate, convention, path, monkeypatch):
         before = parity.snapshot(pool)
         want = _expected(pool, before, src, dst)
         if kind == "list":
-            pool.copy_slots(src, dst)
+            pool.copy_slots(src, dst, backend=backend)
         else:
             dtype = torch.int32 if kind == "int32" else torch.int64
             pool.copy_slots(torch.tensor(src, dtype=dtype, device=DEVICE), torch.tensor(dst, dtype=dtype, device=DEVICE),
-                            check=kind == "int64")
+                            check=kind == "int64", backend=backend)
         assert _differs(pool, want) == [], kind
         assert torch.equal(pool.q0, q0)
-    pool.copy_slots([f + 1], [f + 1])  # onto itself: nothing changes
+    pool.copy_slots([f + 1], [f + 1], backend=backend)  # onto itself: nothing changes
     assert _differs(pool, parity.snapshot(pool)) == []
 
 
@@ -104,19 +114,31 @@ def test_copies_bit_for_bit(layout, gate, convention, path, monkeypatch):
 def test_skipped_pairs_without_check(convention, path, monkeypatch):
     """With ``check=False`` a pair whose src or dst is not a real slot (padding, the null slot, past the pool) is
     skipped; the others are copied as if alone. With no pair left nothing is written at all."""
-    _path(path, monkeypatch)
+    backend = _path(path, monkeypatch)
     pool = _poisoned(convention=convention, seed=8)
     pad = 0 if convention == "vllm" else -1
     src = torch.tensor([2, pad, 3, 1, 9], dtype=torch.int32, device=DEVICE)
     dst = torch.tensor([4, 5, pad, 3, 6], dtype=torch.int32, device=DEVICE)
     want = _expected(pool, parity.snapshot(pool), [2, 1], [4, 3])
-    pool.copy_slots(src, dst, check=False)
+    pool.copy_slots(src, dst, check=False, backend=backend)
     assert _differs(pool, want) == []
     before = parity.snapshot(pool)
-    pool.copy_slots(torch.tensor([pad, 7], device=DEVICE), torch.tensor([1, 2], device=DEVICE), check=False)
+    pool.copy_slots(torch.tensor([pad, 7], device=DEVICE), torch.tensor([1, 2], device=DEVICE), check=False,
+                    backend=backend)
     empty = torch.tensor([], dtype=torch.int32, device=DEVICE)
-    pool.copy_slots(empty, empty, check=False)
+    pool.copy_slots(empty, empty, check=False, backend=backend)
     assert _differs(pool, before) == []
+
+
+@pytest.mark.parametrize("gate", ["kda", "gdn"])
+def test_kernel_gives_a_destination_named_twice_its_first_copy(gate, monkeypatch):
+    """The Triton kernels, ``check=False``: a ``dst`` named twice gets the first of its copies, whole (no mix of the
+    two sources' words); the pair after it is copied as if alone."""
+    backend = _path("triton", monkeypatch)
+    pool = _poisoned(gate, seed=12)
+    want = _expected(pool, parity.snapshot(pool), [1, 5], [3, 2])
+    pool.copy_slots(_t(1, 4, 5, dtype=torch.int32), _t(3, 3, 2, dtype=torch.int32), check=False, backend=backend)
+    assert _differs(pool, want) == []
 
 
 @pytest.mark.parametrize("gate", ["kda", "gdn"])

@@ -80,14 +80,14 @@ def test_forced_flush_build_fits():
 
 @pytest.mark.slow
 def test_engine_kernels_fit():
-    """accept's and step_packed's gate kernels fit every architecture the step claims, sm_75 included, with no
-    tensor-core instruction and no spill."""
+    """accept's, step_packed's gate and copy_slots' kernels fit every architecture the step claims, sm_75 included,
+    with no tensor-core instruction and no spill."""
     res = _run("--quick", "--ops", "engine", "--arch", ",".join(map(str, STEP_CAPABILITIES)))
     assert res.returncode == 0, res.stdout + res.stderr[-4000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("sm_")]
-    assert len(rows) == 2 * 2 * len(STEP_CAPABILITIES), res.stdout
+    assert len(rows) == 3 * 2 * len(STEP_CAPABILITIES), res.stdout
     for line in rows:
-        m = re.search(r" (accept|gates) +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B .* none ", line)
+        m = re.search(r" (accept|gates|copy) +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B .* none ", line)
         assert m and int(m[3]) == 0 and "(not claimed)" not in line, line
 
 
