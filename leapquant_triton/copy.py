@@ -7,6 +7,10 @@ straight into its destination when that slot is no pair's source (nothing reads 
 the common case, a cached prefix into a new sequence's slot, moves its bytes once), and otherwise into a temporary;
 the second launch writes the temporaries into their destinations. The torch form gathers every tensor into
 temporaries and scatters them back, about fourteen launches moving the bytes twice.
+
+Costs that grow with ``n``: the temporary has room for every pair (the host cannot know how many need it without a
+synchronisation; the torch form's temporaries are as large), and each program scans ``src`` and ``dst`` (O(n) int
+loads from L2: at thousands of pairs about what the copy itself moves).
 """
 
 from __future__ import annotations
@@ -108,8 +112,8 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def dense(pool) -> bool:
-    """Whether the ring tensors are dense with an even number of 16-bit values per head (what the kernel addresses);
-    a pool made from an engine's tensors may not be."""
+    """Whether the kernel can address the ring tensors as int32 words: dense (the pool's checks require it) with a
+    whole number of words per head (every supported shape has)."""
     ts = [pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.hcnt] + ([pool.gbuf] if pool.gbuf is not None else [])
     return all(t.is_contiguous() for t in ts) and all(
         t[0, 0].numel() * t.element_size() % 4 == 0 for t in ts if t.dim() > 2)
