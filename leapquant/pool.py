@@ -346,8 +346,7 @@ class Pool:
                 (metadata only, no synchronisation: graph-capturable); a pair whose ``src`` or ``dst`` is not a real
                 slot is skipped (nothing written for it), and a ``dst`` named twice gets one of its copies.
             backend: the step's (``leapquant.select(pool, backend, op="step")``): the Triton backend copies in two
-                kernel launches (``leapquant_triton.copy``); the others, and pools whose ring tensors are not dense,
-                in torch (:meth:`copy_slots_torch`).
+                kernel launches (``leapquant_triton.copy``); the others in torch (:meth:`copy_slots_torch`).
         """
         self.check_layout(force=check)
         s, d = check_copy_slots(self, src, dst, check)

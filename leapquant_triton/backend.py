@@ -106,14 +106,10 @@ class TritonBackend(Backend):
             accept_torch(pool, idx, num_accepted)
 
     def copy_slots(self, pool: "Pool", src: torch.Tensor, dst: torch.Tensor) -> None:
-        """``Pool.copy_slots`` (checked) in two kernel launches (:mod:`.copy`); in torch where the pool's ring tensors
-        are not dense."""
-        from .copy import copy_slots_pool, dense
+        """``Pool.copy_slots`` (checked) in two kernel launches (:mod:`.copy`)."""
+        from .copy import copy_slots_pool
 
-        if dense(pool):
-            copy_slots_pool(pool, src, dst)
-        else:
-            pool.copy_slots_torch(src, dst)
+        copy_slots_pool(pool, src, dst)
 
     def load_states(self, pool: "Pool", slots: torch.Tensor, states: torch.Tensor, state_v_first: bool) -> None:
         from .states import load_states_pool

@@ -111,17 +111,10 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return x.view(torch.int32)
 
 
-def dense(pool) -> bool:
-    """Whether the kernel can address the ring tensors as int32 words: dense (the pool's checks require it) with a
-    whole number of words per head (every supported shape has)."""
-    ts = [pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.hcnt] + ([pool.gbuf] if pool.gbuf is not None else [])
-    return all(t.is_contiguous() for t in ts) and all(
-        t[0, 0].numel() * t.element_size() % 4 == 0 for t in ts if t.dim() > 2)
-
-
 def copy_slots_pool(pool, src: torch.Tensor, dst: torch.Tensor) -> None:
     """``pool.copy_slots(src, dst)`` (checked by the caller; ``src``, ``dst`` 1-D integer tensors of one length on
-    the pool's device; the pool :func:`dense`), on the current stream."""
+    the pool's device), on the current stream. The pool's checks make its ring tensors dense, and every supported
+    shape has a whole number of int32 words per head."""
     n = src.numel()
     if n == 0:
         return
