@@ -386,7 +386,7 @@ class Pool:
     def _slot_rows(self) -> list[torch.Tensor]:
         """What a slot holds, each as an integer view with the slot as its first dimension (bits copied as they are,
         NaN payloads included): the checkpoints, ``[NS, HV, checkpoint_bytes / 4]`` words of ``raw`` at the
-        layout's strides, and the ring tensors, ``pcum`` and ``hcnt``."""
+        layout's strides, and the ring tensors, ``pcum`` and ``hcnt`` (also what the Triton copy kernels move)."""
         g = self.geometry
         words = self.raw.view(torch.int32)
         ckpt = words.as_strided((g.num_slots, g.heads, g.checkpoint_bytes // 4), (g.slot_stride, g.head_stride, 1),

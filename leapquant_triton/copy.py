@@ -19,8 +19,6 @@ import torch
 import triton
 import triton.language as tl
 
-from leapquant.constants import BASE_WORDS
-
 from .flush_kernel import _named_before
 from .launcher import Launcher
 
@@ -103,14 +101,6 @@ BLOCK = 1024
 _LAUNCHER = Launcher(leapquant_copy_slots_kernel)
 
 
-def _words(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (dense, slot first) as int32 words ``[NS, HV, X]``."""
-    ints = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
-            torch.int32: torch.int32}
-    x = t.view(ints[t.dtype]).reshape(t.shape[0], t.shape[1], -1)
-    return x.view(torch.int32)
-
-
 def copy_slots_pool(pool, src: torch.Tensor, dst: torch.Tensor) -> None:
     """``pool.copy_slots(src, dst)`` (checked by the caller; ``src``, ``dst`` 1-D integer tensors of one length on
     the pool's device), on the current stream. The pool's checks make its ring tensors dense, and every supported
@@ -119,15 +109,17 @@ def copy_slots_pool(pool, src: torch.Tensor, dst: torch.Tensor) -> None:
     if n == 0:
         return
     g = pool.geometry
-    words = pool.raw.view(torch.int32)
-    ckpt = words[BASE_WORDS:]
-    kb, ub, w, pc = (_words(t) for t in (pool.kbuf, pool.ubuf, pool.w, pool.pcum))
-    gb = _words(pool.gbuf) if pool.gbuf is not None else None
+    # what the torch form copies, as int32 words [NS, HV, X]: the checkpoints (at the layout's strides), the rings,
+    # pcum and (KDA) gbuf; hcnt last
+    ckpt, *ring, hcnt = pool._slot_rows()
+    ring = [t.reshape(g.num_slots, g.heads, -1).view(torch.int32) for t in ring]
+    kb, ub, w, pc = ring[:4]
+    gb = ring[4] if len(ring) > 4 else None
     X = dict(CW=g.checkpoint_bytes // 4, KW=kb.shape[2], UW=ub.shape[2], WW=w.shape[2], PW=pc.shape[2],
              GW=gb.shape[2] if gb is not None else 0)
     tmp = torch.empty(n * g.heads * (sum(X.values()) + 1), dtype=torch.int32, device=src.device)
     args = dict(src=src, dst=dst, n=n, tmp=tmp, ckpt=ckpt, kbuf=kb, ubuf=ub, w=w, pcum=pc,
-                gbuf=gb if gb is not None else w, hcnt=pool.hcnt, NS=g.num_slots, HV=g.heads, SS=g.slot_stride,
+                gbuf=gb if gb is not None else w, hcnt=hcnt, NS=g.num_slots, HV=g.heads, SS=g.slot_stride,
                 HS=g.head_stride, FIRST=pool.first_slot, BLOCK=BLOCK, **X)
     for second in (False, True):
         _LAUNCHER((n, g.heads), dict(args, SECOND=second), OPTIONS)
