@@ -85,6 +85,8 @@ CPU_SWEEP = (1, 2, 4)
 # and issue 36's: a verify of VERIFY_T tokens per row at most 1.6x a one-token step
 VERIFY_T = 4
 VERIFY = f"verify T={VERIFY_T} (fill 8)"
+# the sweep's small batches as an engine steps them: L steps per sequence, each sequence's rings flushed once
+CYCLE = "decode cycle"
 BOUNDS = (("step fill 8", "floor", 1.5), ("decode layer", "step fill 8", 1.15), ("decode layer", "fla fp32", 0.3),
           ("decode layer", "fla bf16", 0.5), (VERIFY, "step fill 8", 1.6))
 BOUNDS_TEXT = ("step fill 8 <= 1.5x its floor; decode layer <= 1.15x step fill 8, <= 0.3x fla fp32, "
@@ -322,6 +324,38 @@ def leapquant_rows(timer: Timer, s: Setup, backend: str, fills=FILLS, compact: b
     return rows
 
 
+def cycle_fills(B: int, HV: int, L: int) -> torch.Tensor:
+    """Fills ``[B, HV]`` for :data:`CYCLE`: every head of a sequence at one fill (an engine steps a sequence's heads
+    together), the sequences' phases spread evenly over 1 .. L (L: a full ring, flushed on the first step)."""
+    phase = (torch.arange(B) * L) // B  # 0 .. L - 1
+    return (L - phase)[:, None].expand(B, HV).clone()
+
+
+def cycle_row(timer: Timer, s: Setup, backend: str) -> dict:
+    """:data:`CYCLE`: L consecutive ``leapquant.step`` calls in one graph from :func:`cycle_fills`, so every sequence's
+    rings fill and are flushed once; the row holds the time per step and the floor of the L steps' bytes over L."""
+    pool = s.pool
+    B, HV, L = s.idx.numel(), pool.heads, pool.ring
+    fills = cycle_fills(B, HV, L)
+
+    def run():
+        for _ in range(L):
+            leapquant.step(pool, s.idx, s.q, s.k, s.v, s.g, s.beta, out=s.out, backend=backend, check=False)
+    saved = {n: getattr(pool, n).clone() for n in ("hcnt", "w", "pcum", "gbuf") if getattr(pool, n) is not None}
+    at, dev_fills = s.idx.long(), fills.to(pool.device)
+
+    def restore():
+        for n, t in saved.items():
+            getattr(pool, n).copy_(t)
+        _fills(pool, at, dev_fills)
+    # step i sees every ring one entry fuller (a ring past L was flushed on the step before and holds one)
+    nbytes = sum(layer_bytes(pool, (fills - 1 + i) % L + 1, s.key_heads) for i in range(L))
+    row = timer(CYCLE, run, restore, nbytes, due=B * HV // L if B >= L else None, steps=L)
+    for key in ("median_us", "p20_us", "p80_us", "floor_us"):
+        row[key] /= L
+    return row
+
+
 def _verify(timer, s, pool, backend: str, restorer) -> dict:
     """``VERIFY``: ``VERIFY_T`` draft tokens per row in one call (speculative decoding, SPEC §6.1), every ring holding
     7 entries (no flush inside); the tokens are the step's, repeated (their values do not change the work)."""
@@ -418,7 +452,10 @@ def sweep_rows(timer: Timer, device, gate: str, batches, heads: int, key_heads: 
             rows += [dict(_failed(n, e), batch=B) for n in names]
             continue
         timer.label = f"{gate} B={B:<4} "
-        point = leapquant_rows(timer, s, backend, fills=(), compact=False, verify=False) + (fla_rows(timer, s) if with_fla else [])
+        point = leapquant_rows(timer, s, backend, fills=(), compact=False, verify=False)
+        if B < s.pool.ring:  # from L sequences on, the layer has as many full rings per step as an engine
+            point.append(_attempt(CYCLE, lambda: cycle_row(timer, s, backend)))
+        point += fla_rows(timer, s) if with_fla else []
         rows += [{"batch": B, **r} for r in point]
         del s, point
         if device.type == "cuda":
@@ -553,7 +590,10 @@ def _sweep_markdown(doc: dict) -> list[str]:
     lines = ["## Batch sweep", "",
              f"The decode layer ({sw['layout']} layout, 1/16 of the rings full) against FLA's in-place steps, "
              f"{sw['heads']} heads, each batch on a pool of 2 x batch + 1 slots at random slots; "
-             f"{sw['budget_s']:g} s of replays per case (at most {doc['config']['max_replays']})."]
+             f"{sw['budget_s']:g} s of replays per case (at most {doc['config']['max_replays']}). Below 16 "
+             f"sequences, `{CYCLE}` is the mean step as an engine runs it: 16 steps in one graph from fills spread "
+             "over the sequences (each sequence's heads at one fill), so each sequence's rings are flushed once "
+             "in 16 steps instead of 1/16 of every sequence's heads on every step."]
     if doc.get("plot"):
         lines += ["", f"![decode layer and FLA's steps against the batch]({doc['plot']})"]
     elif doc.get("plot_error"):
@@ -561,19 +601,21 @@ def _sweep_markdown(doc: dict) -> list[str]:
     for gate, rows in sw["gates"].items():
         by = {(r["batch"], r["case"]): r for r in rows}
         lines += ["", f"### {gate.upper()}", "",
-                  "| batch | due | decode layer | floor | x floor | fla fp32 | fla bf16 | layer / fla fp32 | "
-                  "layer / fla bf16 |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "| batch | due | decode layer | floor | x floor | decode cycle | fla fp32 | fla bf16 | "
+                  "layer / fla fp32 | layer / fla bf16 |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         notes = []
         for B in sw["batches"]:
-            lay, f32, b16 = (by.get((B, n)) for n in ("decode layer", "fla fp32", "fla bf16"))
+            lay, cyc, f32, b16 = (by.get((B, n)) for n in ("decode layer", CYCLE, "fla fp32", "fla bf16"))
             ok = lambda r: r is not None and r.get("status") == "ok"  # noqa: E731
             ratio = lambda r: f"{lay['median_us'] / r['median_us']:.2f}" if ok(lay) and ok(r) else "—"  # noqa: E731
             lines.append(f"| {B} | {lay.get('due', '') if ok(lay) else ''} | {_fmt_us(lay)} | "
                          f"{_fmt_us(lay, 'floor_us') if ok(lay) else '—'} | "
-                         f"{format(lay['x_floor'], '.2f') if ok(lay) else '—'} | {_fmt_us(f32)} | {_fmt_us(b16)} | "
+                         f"{format(lay['x_floor'], '.2f') if ok(lay) else '—'} | {_fmt_us(cyc)} | {_fmt_us(f32)} | "
+                         f"{_fmt_us(b16)} | "
                          f"{ratio(f32)} | {ratio(b16)} |")
             notes += [f"batch {B}, {r['case']}: {r['status']}: {r.get('reason', '')[:200]}"
-                      for r in (lay, f32, b16) if r is not None and r.get("status") != "ok"]
+                      for r in (lay, cyc, f32, b16) if r is not None and r.get("status") != "ok"]
         if notes:
             reasons = sorted(set(n.split(": ", 1)[1] for n in notes))
             lines += ["", "Not timed: " + "; ".join(reasons[:4]) + f" ({len(notes)} cases)."]

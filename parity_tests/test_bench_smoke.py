@@ -144,12 +144,20 @@ def test_decode_bench_smoke(tmp_path):
     sweep = doc["sweep"]
     assert sweep["batches"] == [1, 2] and sweep["layout"] == "engine" and list(sweep["gates"]) == ["kda", "gdn"]
     for gate, rows in sweep["gates"].items():
-        assert [(r["batch"], r["case"], r["status"]) for r in rows] == [(1, "decode layer", "ok"),
-                                                                       (2, "decode layer", "ok")]
-        assert rows[1]["bytes"] > rows[0]["bytes"] and all(r["due"] >= 1 for r in rows)
+        assert [(r["batch"], r["case"], r["status"]) for r in rows] == [
+            (1, "decode layer", "ok"), (1, "decode cycle", "ok"), (2, "decode layer", "ok"), (2, "decode cycle", "ok")]
+        layers = [r for r in rows if r["case"] == "decode layer"]
+        assert layers[1]["bytes"] > layers[0]["bytes"] and all(r["due"] >= 1 for r in layers)
         text = _section(md, f"### {gate.upper()}")
-        for r in rows:
+        for r in layers:
             assert f"| {r['batch']} | {r['due']} | {r['median_us']:.1f} us | {r['floor_us']:.1f} us |" in text
+        # over its 16 steps every head reads 0 .. 15 ring entries once and is flushed once, whatever its phase
+        pool = decode.make_pool(5, 2, 64, gate, "engine", torch.device("cpu"))
+        per_head = sum(decode.step_bytes(pool, e, 2, 2, 2) for e in range(pool.ring)) + program_bytes(pool)["total"]
+        for r in (r for r in rows if r["case"] == "decode cycle"):
+            assert r["steps"] == pool.ring and r["bytes"] == r["batch"] * 2 * per_head
+            assert f"{r['median_us']:.1f} us" in text and r["floor_us"] * pool.ring * 0.999 < r["bytes"] / (
+                doc["bandwidth"]["GBps"] * 1e3) < r["floor_us"] * pool.ring * 1.001
     if importlib.util.find_spec("matplotlib") is not None:
         assert doc["plot"] == "decode_cpu.png" and (tmp_path / "decode_cpu.png").stat().st_size > 1000
         assert "](decode_cpu.png)" in md
