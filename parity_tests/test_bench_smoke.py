@@ -334,4 +334,5 @@ def test_decode_bench_baseline_runs_the_other_tree(tmp_path):
             else:
                 assert theirs["status"] == "ok" and theirs["bytes"] == rows[n]["bytes"]
         assert "Against the baseline" in _section(md, f"## {gate.upper()}")
-    assert [r["case"] for r in doc["sweep"]["gates"]["kda"]] == ["decode layer"] * 3  # this tree's sweep only
+    # this tree's sweep only (below the ring's 16 sequences, each batch's decode cycle beside its layer)
+    assert [r["case"] for r in doc["sweep"]["gates"]["kda"]] == ["decode layer", decode.CYCLE] * 3
