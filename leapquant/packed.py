@@ -25,8 +25,9 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from .checks import STEP_DTYPES, check_apart, check_finite, check_idx_layout, check_in_storage, spans, token_rows
-from .ops import BackendName, check_pool_type, step
+from .checks import (STEP_DTYPES, check_apart, check_finite, check_idx_layout, check_in_storage, check_step_values, spans,
+                     token_rows)
+from .ops import BackendName, check_pool_type, step, step_operands
 from .pool import Pool
 from .registry import launch, resolve
 
@@ -225,17 +226,19 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
                 A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: Optional[float] = None,
                 scale: Optional[float] = None, use_qk_l2norm: bool = False, out: Optional[torch.Tensor] = None,
                 workspace: Optional[PackedWorkspace] = None, backend: BackendName = "auto",
-                check: bool = True) -> torch.Tensor:
+                check: bool = True, fused: bool = True) -> torch.Tensor:
     """One decode token per batch row from the engine's packed projection and raw gate inputs, in place on the pool;
     returns the attention output (docs/SPEC.md §6.2). vLLM's ``fused_recurrent_gated_delta_rule_packed_decode`` and
     ``fused_recurrent_kda_packed_decode`` over a LeapQuant pool.
 
-    The gates are computed first, into ``workspace`` (GDN ``g = -exp(A_log) * softplus(a + dt_bias)`` per value head;
-    KDA the same per key channel, or ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``; ``beta = sigmoid(b)``;
-    FLA's formulas, this module's functions): by the Triton backend in a small kernel of its own, one program per
-    (row, value head), launched right before the step; by the reference in torch. Then :func:`leapquant.step` runs on
-    views of ``mixed_qkv`` (no copy) with ``use_qk_l2norm`` normalising q and k inside the step kernel. Fusing the gates
-    into the step kernel's prologue, which would save the launch and the workspace's round trip, is the next step.
+    The gates are GDN ``g = -exp(A_log) * softplus(a + dt_bias)`` per value head; KDA the same per key channel, or
+    ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``; ``beta = sigmoid(b)`` (FLA's formulas, this module's
+    functions). On the Triton backend the step kernel computes them in its prologue (one launch after the flush of
+    the full rings, nothing written but the pool and ``out``); elsewhere (the reference, ``torch.compile``,
+    ``fused=False``) they are computed first, into ``workspace`` (by the Triton backend in a small kernel of its own,
+    by the reference in torch), and :func:`leapquant.step` runs on them. Either way the step reads views of
+    ``mixed_qkv`` (no copy), with ``use_qk_l2norm`` normalising q and k inside the step kernel, and writes the same
+    bytes.
 
     Args:
         pool, idx: as for :func:`leapquant.step` (``idx`` int32 ``[B]``; vLLM's ``ssm_state_indices``: rows naming
@@ -248,11 +251,15 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
         lower_bound: KDA only: the bounded gate above (vLLM's and FLA's ``lower_bound``, e.g. -5.0); None: softplus.
         scale, use_qk_l2norm, out, backend, check: as for :func:`leapquant.step` (``use_qk_l2norm=True`` is vLLM's
             ``use_qk_l2norm_in_kernel=True``; its KDA call always normalises).
-        workspace: where the gates go (:func:`packed_workspace`); default new buffers (``torch.empty``). Pass one to
-            keep a CUDA graph free of allocations; its ``beta`` dtype is what beta is stored as.
+        workspace: where the gates go when they are computed apart (:func:`packed_workspace`); default new buffers
+            (``torch.empty``; none on the fused path). Pass one to keep a CUDA graph free of allocations; its ``beta``
+            dtype is what beta is rounded to, on the fused path too (which reads only that dtype of it).
+        fused: compute the gates inside the step kernel where the backend can (Triton); False: apart, into
+            ``workspace``, then the step (two launches; the same bytes).
 
-    With ``check=False`` nothing synchronises with the host and the Triton path allocates nothing but a default
-    workspace: graph-capturable. Under ``torch.compile`` the gates are the torch formulas.
+    With ``check=False`` nothing synchronises with the host and the Triton path allocates nothing but ``out`` when it
+    is not given (and a default workspace with ``fused=False``): graph-capturable. Under ``torch.compile`` the gates
+    are the torch formulas, apart.
 
     Returns:
         ``o`` ``[B, HV, V]`` in ``mixed_qkv``'s dtype (``out``'s view when given).
@@ -272,24 +279,46 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
     H = packed_heads(pool, mixed_qkv.shape[1])
     q, k, v = split_qkv(mixed_qkv, H, pool.head_k, pool.heads, pool.head_v)
     compiling = torch.compiler.is_compiling()
-    if workspace is None:
-        workspace = packed_workspace(pool, B)
-    else:
+    if workspace is not None:
         inputs = None if compiling else spans({"idx": idx, "mixed_qkv": mixed_qkv, "a": a, "b": b, "A_log": A_log,
                                                "dt_bias": dt_bias,
                                                "out": out if isinstance(out, torch.Tensor) else None})
         workspace = _check_workspace(pool, workspace, B, inputs)
-    g, beta = workspace
-    if compiling:
-        _torch_gates(pool, a, b, A_log, dt_bias, lower_bound, g, beta)
-    else:
+    chosen = None
+    if not compiling:
         for name, t in (("mixed_qkv", mixed_qkv), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
             check_in_storage(t, name)
         if check:
             _check_packed_values(pool, idx, a, b, A_log, dt_bias)
         chosen = resolve(backend, pool, "step")
+        backend = chosen.name
+        if fused and getattr(chosen, "step_packed", None) is not None:
+            return _step_packed_fused(pool, chosen, idx, q, k, v, a, b, A_log, dt_bias, lower_bound,
+                                      torch.float32 if workspace is None else workspace.beta.dtype, scale,
+                                      use_qk_l2norm, out, check)
+    g, beta = packed_workspace(pool, B) if workspace is None else workspace
+    if compiling:
+        _torch_gates(pool, a, b, A_log, dt_bias, lower_bound, g, beta)
+    else:
         launch(pool, getattr(chosen, "packed_gates", None) or _torch_gates, a, b, A_log, dt_bias, lower_bound, g,
                beta)
-        backend = chosen.name
     return step(pool, idx, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out, backend=backend,
                 check=check)
+
+
+def _step_packed_fused(pool: Pool, chosen, idx, q, k, v, a, b, A_log, dt_bias, lower_bound, beta_dtype, scale,
+                       use_qk_l2norm, out, check: bool) -> torch.Tensor:
+    """:func:`step_packed` on a backend whose step computes the gates (``chosen.step_packed``): ``step``'s checks with
+    ``a`` and ``b`` in the places of ``g`` and ``beta`` (their shapes and dtypes are those; ``out`` first checked
+    apart from every raw input, so that an overlap is named as such), with ``check`` the gates' values computed in
+    torch (bit for bit the kernel's on a GPU) held to ``step``'s range, then one launch."""
+    if isinstance(out, torch.Tensor):
+        check_apart(out, "out", spans({"a": a, "b": b, "A_log": A_log, "dt_bias": dt_bias}),
+                    "step_packed writes out while it reads its inputs")
+    q, k, v, a, b, o, scale = step_operands(pool, idx, q, k, v, a, b, scale, out, check, values=False)
+    if check:
+        g, beta = packed_gates(pool.gate, a, b, A_log, dt_bias, lower_bound)
+        check_step_values(pool, idx, q, k, v, g, beta.to(beta_dtype))
+    launch(pool, chosen.step_packed, idx, q, k, v, a, b, A_log, dt_bias, lower_bound, beta_dtype, scale,
+           bool(use_qk_l2norm), o)
+    return o

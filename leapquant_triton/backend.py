@@ -85,6 +85,16 @@ class TritonBackend(Backend):
 
         step_pool(pool, idx, q, k, v, g, beta, scale, use_qk_l2norm, out)
 
+    def step_packed(self, pool: "Pool", idx: torch.Tensor, q, k, v, a, b, A_log, dt_bias, lower_bound: float | None,
+                    beta_dtype: torch.dtype, scale: float, use_qk_l2norm: bool, out: torch.Tensor) -> None:
+        """``leapquant.step_packed`` in one step launch (after the flush of the full rings): the gates computed from
+        ``a``, ``b``, ``A_log``, ``dt_bias`` in the step kernel's prologue, beta rounded to ``beta_dtype``; the bytes
+        of :meth:`packed_gates` then :meth:`step`."""
+        from .step import packed_args, step_pool
+
+        step_pool(pool, idx, q, k, v, a, b, scale, use_qk_l2norm, out,
+                  packed=packed_args(A_log, dt_bias, lower_bound, beta_dtype))
+
     def packed_gates(self, pool: "Pool", a, b, A_log, dt_bias, lower_bound: float | None, g: torch.Tensor,
                      beta: torch.Tensor) -> None:
         """``leapquant.step_packed``'s gates into ``g`` and ``beta`` (:mod:`.gates`: a kernel launched before the

@@ -31,7 +31,7 @@ from .flush import SCHEDULES, kernel_constants
 from .flush_kernel import leapquant_flush_kernel
 from .states import KERNELS as STATES_KERNELS
 from .states import states_constants
-from .step import gluon_kernel, gluon_shape, step_build
+from .step import UNPACKED, gluon_kernel, gluon_shape, step_build
 from .targets import (
     GLUON_RELEASES,
     STEP_CAPABILITIES,
@@ -69,6 +69,9 @@ _STATES_POINTERS = dict(_POINTERS, slots="*i32", states="*fp32", out="*fp32")
 # there) and the Gluon kernel (claimed where the backend launches it: step.kernel_for)
 STEP = "step"
 STEP_GLUON = "step-gluon"
+# the same kernels as ``step_packed`` launches them: one token, the gates computed in the prologue (SPEC §6.2)
+STEP_PACKED = "step-packed"
+STEP_GLUON_PACKED = "step-gluon-packed"
 # the states builds: each kernel with the V-first state and (-kv) FLA's [K, V] one
 STATES = tuple(f"{which}{lay}" for which in STATES_KERNELS for lay in ("", "-kv"))
 # the forced flush's build (FORCE: partially filled rings, SPEC §2; the grid schedule only)
@@ -77,7 +80,8 @@ FORCED = ("grid-force",)
 # (§5.3)
 ENGINE = ("accept", "gates", "copy")
 # the builds of each op, as --ops selects them
-OPS = {"flush": SCHEDULES, "force": FORCED, "step": (STEP, STEP_GLUON), "states": STATES, "engine": ENGINE}
+OPS = {"flush": SCHEDULES, "force": FORCED, "step": (STEP, STEP_GLUON), "packed": (STEP_PACKED, STEP_GLUON_PACKED),
+       "states": STATES, "engine": ENGINE}
 
 
 @dataclass
@@ -185,14 +189,15 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
     kernels (``kernel="step"``, ``"step-gluon"``: :func:`compile_step`) or a states kernel (``kernel`` in
     :data:`STATES`: :func:`compile_states`), for ``sm_<arch>`` at ``shape`` and check it against the architecture's
     limits."""
-    if kernel in (STEP, STEP_GLUON):
-        return compile_step(arch, shape, num_warps, gluon=kernel == STEP_GLUON)
+    if kernel in (STEP, STEP_GLUON, STEP_PACKED, STEP_GLUON_PACKED):
+        return compile_step(arch, shape, num_warps, gluon=kernel in (STEP_GLUON, STEP_GLUON_PACKED),
+                            packed=kernel in (STEP_PACKED, STEP_GLUON_PACKED))
     if kernel in STATES:
         return compile_states(arch, shape, kernel.removesuffix("-kv"), not kernel.endswith("-kv"))
     if kernel in ENGINE:
         return compile_engine(arch, shape, kernel)
     if kernel not in SCHEDULES + FORCED:
-        raise ValueError(f"kernel must be one of {SCHEDULES + FORCED + (STEP, STEP_GLUON) + STATES + ENGINE}, "
+        raise ValueError(f"kernel must be one of {SCHEDULES + FORCED + OPS['step'] + OPS['packed'] + STATES + ENGINE}, "
                          f"not {kernel!r}")
     force = kernel in FORCED
     schedule = kernel.removesuffix("-force")
@@ -211,15 +216,17 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
     return rep
 
 
-def compile_step(arch: int, shape: Shape, num_warps: int | None = None, gluon: bool = False) -> Report:
+def compile_step(arch: int, shape: Shape, num_warps: int | None = None, gluon: bool = False,
+                 packed: bool = False) -> Report:
     """Compile a step kernel (q / k l2-normalised: the larger build) as :func:`.step.step_pool` launches it for
     ``sm_<arch>`` at ``shape`` (:func:`.step.step_build`). ``gluon`` False: from sm_80
     :func:`.step_kernel.leapquant_step_kernel`, its int8 and bf16 products as ``mma.sync``; on sm_75
     :func:`.step_kernel.leapquant_step_fma_kernel`, no tensor cores. True: :mod:`.step_gluon`'s kernel (``mma.sync``,
     its explicit ``mma_v2``), claimed where :func:`.step.kernel_for` takes it; elsewhere not built. Never wgmma or
-    tcgen05."""
+    tcgen05. ``packed``: ``step_packed``'s build (one token, the softplus gates and a bf16 beta computed in the
+    prologue); else T = L / 2 tokens with the history."""
     geometry = _geometry(shape)
-    name = STEP_GLUON if gluon else STEP
+    name = (STEP_GLUON_PACKED if packed else STEP_GLUON) if gluon else (STEP_PACKED if packed else STEP)
     if gluon:
         if arch < 80 or not gluon_shape(geometry) or gluon_kernel() is None:
             return Report(arch, shape, name, 0, ok=False, claim=False,
@@ -229,17 +236,22 @@ def compile_step(arch: int, shape: Shape, num_warps: int | None = None, gluon: b
     else:
         kernel, constexprs, options = step_build(geometry, FIRST_SLOT, True, arch, "fma" if arch < 80 else "mma")
         constexprs.update(NATIVE=True)
-    # the larger build: T tokens per row with the history of SPEC §6.1 (at most L / 2 tokens)
-    constexprs.update(HIST=True, HT=shape.ring // 2 + 1, T=shape.ring // 2)
+    pointers = dict(_STEP_POINTERS, **_HISTORY_POINTERS)
+    if packed:  # step_packed: one token, the gates from a, b (g's and beta's places), A_log and dt_bias
+        constexprs.update(HIST=False, HT=1, T=1, PACKED=1, BETA_ROUND=1)
+        pointers.update(a_log="*fp32", dt_bias="*fp32")
+    else:  # the larger build: T tokens per row with the history of SPEC §6.1 (at most L / 2 tokens)
+        constexprs.update(HIST=True, HT=shape.ring // 2 + 1, T=shape.ring // 2, **UNPACKED)
     if num_warps:
         options["num_warps"] = num_warps
     names = ("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "sg_n", "sg_h", "sb_n", "sb_h", "so_n", "so_h",
              "sq_t", "sk_t", "sv_t", "sg_t", "sb_t", "so_t")
     ints = {k: "i32" for k in names}
-    pointers = dict(_STEP_POINTERS, **_HISTORY_POINTERS)
     signature = {a: pointers.get(a) or ints.get(a) or ("constexpr" if a in constexprs else None)
                  for a in kernel.arg_names}
     signature.update(scale="fp32", NS="i32", HV="i32", G="i32", SS="i32", HS="i32")
+    if packed:
+        signature.update(lower_bound="fp32")
     rep = _build(kernel, signature, constexprs, pointers, arch, options,
                  Report(arch, shape, name, options["num_warps"], ok=False))
     rep.ok = rep.ok and rep.mma == ("none" if arch < 80 else "mma.sync")
@@ -343,7 +355,8 @@ def _build(fn, signature: dict, constexprs: dict, pointers: dict, arch: int, opt
 
 def claimed(rep: Report) -> bool:
     """Whether the backend claims ``rep``'s build on its architecture (only claimed builds can fail the check)."""
-    return rep.claim and rep.arch in (STEP_CAPABILITIES if rep.kernel in (STEP,) + ENGINE else SUPPORTED_CAPABILITIES)
+    return rep.claim and rep.arch in (STEP_CAPABILITIES if rep.kernel in (STEP, STEP_PACKED) + ENGINE
+                                      else SUPPORTED_CAPABILITIES)
 
 
 def check(archs=ARCHS, shapes=SHAPES, out=sys.stdout, ops=tuple(OPS)) -> list[Report]:

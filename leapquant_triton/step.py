@@ -128,13 +128,30 @@ def _prepared(pool, use_qk_l2norm: bool, kernel: str | None):
     return per_pool(pool.raw, key, list(tensors.values()) + list(history.values()), make)
 
 
+# no packed gates: the kernels' PACKED inputs unused (None arguments are compile-time constants)
+UNPACKED = dict(a_log=None, dt_bias=None, lower_bound=None, PACKED=0, BETA_ROUND=0)
+# the BETA_ROUND code of each beta dtype (a workspace's ``beta`` dtype): what beta is rounded to
+BETA_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def packed_args(A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None,
+                beta_dtype: torch.dtype) -> dict:
+    """The step kernels' arguments that make them compute ``step_packed``'s gates (SPEC §6.2) in their prologue, ``g``
+    and ``beta`` then being ``a`` and ``b``: ``PACKED`` 1 (softplus) or 2 (KDA's lower bound), beta rounded to
+    ``beta_dtype``."""
+    return dict(a_log=A_log, dt_bias=dt_bias, lower_bound=0.0 if lower_bound is None else float(lower_bound),
+                PACKED=1 if lower_bound is None else 2, BETA_ROUND=BETA_ROUND[beta_dtype])
+
+
 def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
               beta: torch.Tensor, scale: float, use_qk_l2norm: bool, out: torch.Tensor,
-              kernel: str | None = None) -> None:
+              kernel: str | None = None, packed: dict | None = None) -> None:
     """One decode token per row of ``idx`` (int32 ``[N]``) on ``pool`` in place, ``out`` written (SPEC §6); with
     token tensors of a token axis (``q`` ``[N, T, H, K]``, ..., ``out`` ``[N, T, HV, V]``), T tokens per row (SPEC
     §6.1: the rings that cannot hold T more flushed first, then the tokens one after the other in one launch, the
-    checkpoint read once), and the pool's history written where it keeps one.
+    checkpoint read once), and the pool's history written where it keeps one. ``packed`` (:func:`packed_args`, one
+    token): ``g`` and ``beta`` are ``step_packed``'s raw ``a`` (``[N, HV, K]`` / ``[N, HV]``) and ``b``, the gates
+    computed inside the step kernel.
 
     Flushes the full rings of ``idx`` first (:func:`.flush.flush_pool`; stream order makes the step see the new
     checkpoints), then launches the step kernel ``kernel`` (default :func:`kernel_for`; the tests run each) on grid
@@ -150,8 +167,10 @@ def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                                                              ("o", out)) for i, d in enumerate(dims)}
     if T == 1:
         strides.update({f"s{name}_t": 0 for name in "qkvgbo"})
+    if packed is not None and T > 1:
+        raise ValueError("step_packed's gates are computed in the kernel for one token per row")
     dynamic = dict(idx=idx, q=q, k=k, v=v, g=g, beta=beta, out=out, **strides, scale=float(scale),
-                   G=pool.heads // q.shape[-2])
+                   G=pool.heads // q.shape[-2], **(packed or UNPACKED))
     kernel = kernel or kernel_for(pool.geometry, device_capability(pool.raw.device))
     dynamic["T"] = T
     flush_pool(pool, idx, force=T if T > 1 else False)

@@ -138,20 +138,79 @@ def _store_out(p, x):
 
 
 @gluon.jit
+def _mul_rn(x, y):
+    """``x * y`` as ``mul.rn.f32`` (:func:`.gate_math._mul`: never contracted, subnormals kept)."""
+    return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _add_rn(x, y):
+    """``x + y`` as ``add.rn.f32`` (:func:`.gate_math._add`)."""
+    return gl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=r,r,r", [x, y], dtype=gl.float32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _sigmoid(x):
+    """``torch.sigmoid``: ``1 / (1 + exp(-x))``, the sum and the division rounded on their own (as
+    :mod:`.gate_math`)."""
+    return gl.div_rn(1.0, _add_rn(1.0, libdevice.exp(-x)))
+
+
+@gluon.jit
+def _packed_gates(a, b, a_log, dt_bias, lower_bound, i_n64, i_hv, sa_n, sa_h, sb_n, o_k, K: gl.constexpr,
+                  IS_KDA: gl.constexpr, PACKED: gl.constexpr, BETA_ROUND: gl.constexpr):
+    """``step_packed``'s gates from its raw inputs, :func:`.gate_math.gate_values` and the beta rounding of
+    :func:`.step_kernel._token_gates` (the same operations in the same order, each product and sum rounded on its own:
+    this kernel is compiled with FMA contraction on): (the log decay, [K] for KDA, GDN a scalar; beta)."""
+    b_A = libdevice.exp(gl.load(a_log + i_hv).to(gl.float32))
+    if IS_KDA:  # the scalars as [K] tiles (libdevice's functions take operands of one layout)
+        x = _add_rn(gl.load(a + i_n64 * sa_n + i_hv * sa_h + o_k).to(gl.float32),
+                             gl.load(dt_bias + i_hv * K + o_k).to(gl.float32))
+        b_A = gl.full_like(x, b_A)
+    else:
+        x = _add_rn(gl.load(a + i_n64 * sa_n + i_hv * sa_h).to(gl.float32),
+                             gl.load(dt_bias + i_hv).to(gl.float32))
+    if PACKED == 2:  # KDA's lower-bound gate
+        gg = _mul_rn(gl.full_like(x, lower_bound), _sigmoid(_mul_rn(b_A, x)))
+    else:  # softplus: x above 20, else log1p(exp(x)) (exp's argument clamped where it is not used)
+        big = x > 20.0
+        sp = gl.where(big, x, libdevice.log1p(libdevice.exp(gl.where(big, 20.0, x))))
+        gg = _mul_rn(-b_A, sp)
+    bb = _sigmoid(gl.load(b + i_n64 * sb_n + i_hv).to(gl.float32))
+    if BETA_ROUND == 1:
+        bb = bb.to(gl.bfloat16).to(gl.float32)
+    elif BETA_ROUND == 2:
+        bb = bb.to(gl.float16).to(gl.float32)
+    return gg, bb
+
+
+@gluon.jit
 def _token(q, k, g, beta, t, pc, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t, sk_h, sg_n, sg_t, sg_h, sb_n, sb_t,
-           sb_h, o_k, IS_KDA: gl.constexpr, USE_QK_L2NORM: gl.constexpr):
+           sb_h, o_k, a_log, dt_bias, lower_bound, K: gl.constexpr, IS_KDA: gl.constexpr, USE_QK_L2NORM: gl.constexpr,
+           PACKED: gl.constexpr, BETA_ROUND: gl.constexpr):
     """Token t's inputs and gates: (k, q, beta, pcum after it, the checkpoint's decay e, the gate's factor: the fp16
-    exp(g) that gbuf stores (KDA) or exp(g) (GDN)), from ``pc``, the pcum before it (SPEC §6 step 2)."""
+    exp(g) that gbuf stores (KDA) or exp(g) (GDN)), from ``pc``, the pcum before it (SPEC §6 step 2). ``PACKED``:
+    ``g`` and ``beta`` are ``step_packed``'s ``a`` and ``b`` (one token), the gates computed here
+    (:func:`_packed_gates`)."""
     kk, qq = _load_keys(k + i_n64 * sk_n + t * sk_t + i_h * sk_h, q + i_n64 * sq_n + t * sq_t + i_h * sq_h, o_k,
                         USE_QK_L2NORM)
-    b_beta = gl.load(beta + i_n64 * sb_n + t * sb_t + i_hv * sb_h).to(gl.float32)
-    p_g = g + i_n64 * sg_n + t * sg_t + i_hv * sg_h
-    if IS_KDA:
-        gg = gl.load(p_g + o_k).to(gl.float32)
-        pc = pc + gg
-        return kk, qq, b_beta, pc, libdevice.exp(pc), libdevice.exp(gg).to(gl.float16)
+    if PACKED:
+        gp, b_beta = _packed_gates(g, beta, a_log, dt_bias, lower_bound, i_n64, i_hv, sg_n, sg_h, sb_n, o_k, K,
+                                   IS_KDA, PACKED, BETA_ROUND)
     else:
-        a_g = libdevice.exp(gl.load(p_g).to(gl.float32))
+        b_beta = gl.load(beta + i_n64 * sb_n + t * sb_t + i_hv * sb_h).to(gl.float32)
+        p_g = g + i_n64 * sg_n + t * sg_t + i_hv * sg_h
+        if IS_KDA:
+            gp = gl.load(p_g + o_k).to(gl.float32)
+        else:
+            gp = gl.load(p_g).to(gl.float32)
+    if IS_KDA:
+        pc = pc + gp
+        return kk, qq, b_beta, pc, libdevice.exp(pc), libdevice.exp(gp).to(gl.float16)
+    else:
+        a_g = libdevice.exp(gp)
         pc = pc * a_g
         return kk, qq, b_beta, pc, gl.maximum(pc, PNMIN), a_g
 
@@ -214,13 +273,15 @@ def _gates(g, beta, t, pc, i_n64, i_hv, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k,
 @gluon.jit
 def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, hcnt,
                                 sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h, so_n, so_h, scale, NS, HV,
-                                G, SS, HS, sq_t, sk_t, sv_t, sg_t, sb_t, so_t, hstart, hcount, hpcum, hw,
-                                FIRST: gl.constexpr, K: gl.constexpr, V: gl.constexpr, L: gl.constexpr,
-                                R: gl.constexpr, IS_KDA: gl.constexpr, USE_QK_L2NORM: gl.constexpr,
-                                HIST: gl.constexpr, HT: gl.constexpr, T: gl.constexpr, NW: gl.constexpr):
+                                G, SS, HS, sq_t, sk_t, sv_t, sg_t, sb_t, so_t, hstart, hcount, hpcum, hw, a_log,
+                                dt_bias, lower_bound, FIRST: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
+                                L: gl.constexpr, R: gl.constexpr, IS_KDA: gl.constexpr, USE_QK_L2NORM: gl.constexpr,
+                                HIST: gl.constexpr, HT: gl.constexpr, T: gl.constexpr, PACKED: gl.constexpr,
+                                BETA_ROUND: gl.constexpr, NW: gl.constexpr):
     """T tokens into the ring of (idx[n], hv), one after the other, and ``out[n, t, hv] = scale S_t q_t``; grid
     (N, HV), ``NW`` warps. The arguments are :func:`.step_kernel.leapquant_step_kernel`'s (``NW``: its
-    ``num_warps``)."""
+    ``num_warps``; ``PACKED`` with one token only)."""
+    gl.static_assert(PACKED == 0 or T == 1, "step_packed's gates are computed for one token per row")
     KPT: gl.constexpr = K // (32 * NW)
     KT: gl.constexpr = K // KPT  # the threads over the channels
     BR: gl.constexpr = 4
@@ -317,13 +378,15 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
     pc = pc0
     if T == 1:
         kk, qq, b_beta, pc, e, gx = _token(q, k, g, beta, 0, pc, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t, sk_h,
-                                           sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, IS_KDA, USE_QK_L2NORM)
+                                           sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, a_log, dt_bias, lower_bound, K,
+                                           IS_KDA, USE_QK_L2NORM, PACKED, BETA_ROUND)
         dk, dq = _checkpoint_products(a, kk, qq, e, sk, V, mma, lb, pl, ch, NW)
     else:
         ts = gl.allocate_shared_memory(gl.float32, [4 * TP, K], flat1)
         for t in range(T):  # a loop, not unrolled: unrolled, the tokens' products are scheduled side by side
             kk, qq, b_beta, pc, e, gx = _token(q, k, g, beta, t, pc, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t,
-                                               sk_h, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, IS_KDA, USE_QK_L2NORM)
+                                               sk_h, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, a_log, dt_bias,
+                                               lower_bound, K, IS_KDA, USE_QK_L2NORM, PACKED, BETA_ROUND)
             dk, dq = _checkpoint_products(a, kk, qq, e, sk, V, mma, lb, pl, ch, NW)
             ts.index(4 * t).store(kk)
             ts.index(4 * t + 1).store(qq)

@@ -30,6 +30,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .common_kernel import PNMIN, QMAX, ROUND_MAGIC, ROUND_MAGIC_BITS, _pair_pointers
+from .gate_math import gate_values
 
 # FLA's use_qk_l2norm_in_kernel: x / sqrt(sum x^2 + L2NORM_EPS)
 L2NORM_EPS = tl.constexpr(1e-6)
@@ -75,13 +76,13 @@ def _load_key(p, USE_QK_L2NORM: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _gate(p_g, p_pc, p_w, p_gb, j, o_k, o_l, m_old, K: tl.constexpr, IS_KDA: tl.constexpr, NATIVE: tl.constexpr):
-    """SPEC §6 step 1, not stored yet: (the new pcum, the checkpoint's decay [K] (KDA exp(pcum); GDN
-    max(pcum, PNMIN)), the ring's weights w [L] (GDN: times a; zero from j on), (KDA) fp16(exp g) [K] and the shifted
-    gates ``gbuf[i + 1]`` [L, K] (the new one at row j - 1, one from there on); GDN: placeholders)."""
+def _gate(b_g, p_pc, p_w, p_gb, j, o_k, o_l, m_old, K: tl.constexpr, IS_KDA: tl.constexpr, NATIVE: tl.constexpr):
+    """SPEC §6 step 1 for the token's log decay ``b_g`` (fp32, [K] for KDA, GDN a scalar), not stored yet: (the new
+    pcum, the checkpoint's decay [K] (KDA exp(pcum); GDN max(pcum, PNMIN)), the ring's weights w [L] (GDN: times a;
+    zero from j on), (KDA) fp16(exp g) [K] and the shifted gates ``gbuf[i + 1]`` [L, K] (the new one at row j - 1, one
+    from there on); GDN: placeholders)."""
     b_w = tl.load(p_w + o_l, mask=m_old, other=0.0)
     if IS_KDA:
-        b_g = tl.load(p_g + o_k).to(tl.float32)
         b_pc = tl.load(p_pc + o_k) + b_g
         b_gn = _exp(b_g, NATIVE).to(tl.float16)
         # row i holds gbuf[i + 1], the factor entry i takes from the entry after it
@@ -90,7 +91,7 @@ def _gate(p_g, p_pc, p_w, p_gb, j, o_k, o_l, m_old, K: tl.constexpr, IS_KDA: tl.
         b_gs = tl.where((o_l + 1 == j)[:, None], b_gn.to(tl.float32)[None, :], b_gs)
         return b_pc, _exp(b_pc, NATIVE), b_w, b_gn, b_gs
     else:
-        b_a = _exp(tl.load(p_g).to(tl.float32), NATIVE)
+        b_a = _exp(b_g, NATIVE)
         b_pc = tl.load(p_pc) * b_a
         return b_pc, tl.maximum(b_pc, PNMIN), b_w * b_a, b_a, b_a
 
@@ -206,19 +207,44 @@ def _pair(i_s, i_hv, G, HV, SS, HS):
 
 
 @triton.jit
+def _token_gates(g, beta, i_n64, i_hv, sg_n, sg_h, sb_n, sb_h, a_log, dt_bias, lower_bound, K: tl.constexpr,
+                 IS_KDA: tl.constexpr, NATIVE: tl.constexpr, PACKED: tl.constexpr, BETA_ROUND: tl.constexpr):
+    """The token's log decay (fp32, [K] for KDA, GDN a scalar) and beta (fp32): loaded from ``g`` and ``beta``, or
+    (``PACKED`` 1: softplus gate, 2: KDA's lower-bound gate) computed from ``step_packed``'s raw inputs, ``g`` and
+    ``beta`` then ``a`` and ``b`` (:func:`.gate_math.gate_values`), beta rounded to the dtype ``BETA_ROUND`` names
+    (1 bf16, 2 fp16; 0 none) as the workspace of the gates apart stores it."""
+    if PACKED:
+        b_g, b_beta = gate_values(g, beta, a_log, dt_bias, lower_bound, i_n64, i_hv, sg_n, sg_h, sb_n, K, IS_KDA,
+                                  PACKED == 2, NATIVE)
+        if BETA_ROUND == 1:
+            b_beta = _bf16(b_beta, NATIVE).to(tl.float32)
+        elif BETA_ROUND == 2:
+            b_beta = b_beta.to(tl.float16).to(tl.float32)
+    else:
+        b_beta = tl.load(beta + i_n64 * sb_n + i_hv * sb_h).to(tl.float32)
+        if IS_KDA:
+            b_g = tl.load(g + i_n64 * sg_n + i_hv * sg_h + tl.arange(0, K)).to(tl.float32)
+        else:
+            b_g = tl.load(g + i_n64 * sg_n + i_hv * sg_h).to(tl.float32)
+    return b_g, b_beta
+
+
+@triton.jit
 def _token(q, k, g, beta, hcnt, p_pc, p_w, p_gb, p_kb, i_n64, i_h, i_hv, i_sh, sq_n, sq_h, sk_n, sk_h, sg_n, sg_h,
-           sb_n, sb_h, o_k, o_l, K: tl.constexpr, L: tl.constexpr, IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr,
-           NATIVE: tl.constexpr):
+           sb_n, sb_h, o_k, o_l, a_log, dt_bias, lower_bound, K: tl.constexpr, L: tl.constexpr, IS_KDA: tl.constexpr,
+           USE_QK_L2NORM: tl.constexpr, NATIVE: tl.constexpr, PACKED: tl.constexpr, BETA_ROUND: tl.constexpr):
     """What both step kernels take in before the checkpoint's products: the ring's count j and the entries in use,
-    the token's k, q and beta, the gate's values (:func:`_gate`) and the ring's key products (:func:`_ring_keys`)."""
+    the token's k, q and beta, the gate's values (:func:`_gate`) and the ring's key products (:func:`_ring_keys`).
+    ``PACKED``: ``g`` and ``beta`` are the raw ``a`` and ``b`` of ``step_packed``, the gates computed here
+    (:func:`_token_gates`)."""
     j = tl.load(hcnt + i_sh)
     j = tl.where(j >= L, 0, j)  # a full ring was flushed: it restarts at entry 0
     m_old = o_l < j  # the entries in use; nothing at or past j is read
     b_k = _load_key(k + i_n64 * sk_n + i_h * sk_h, USE_QK_L2NORM, K)
     b_q = _load_key(q + i_n64 * sq_n + i_h * sq_h, USE_QK_L2NORM, K)
-    b_beta = tl.load(beta + i_n64 * sb_n + i_hv * sb_h).to(tl.float32)
-    b_pc, b_e, b_w, b_gn, b_gs = _gate(g + i_n64 * sg_n + i_hv * sg_h, p_pc, p_w, p_gb, j, o_k, o_l, m_old, K,
-                                       IS_KDA, NATIVE)
+    b_g, b_beta = _token_gates(g, beta, i_n64, i_hv, sg_n, sg_h, sb_n, sb_h, a_log, dt_bias, lower_bound, K, IS_KDA,
+                               NATIVE, PACKED, BETA_ROUND)
+    b_pc, b_e, b_w, b_gn, b_gs = _gate(b_g, p_pc, p_w, p_gb, j, o_k, o_l, m_old, K, IS_KDA, NATIVE)
     b_ck, b_cq = _ring_keys(p_kb, b_k, b_q, b_w, b_gs, o_k, o_l, m_old, K, IS_KDA)
     return j, m_old, b_k, b_q, b_beta, b_pc, b_e, b_w, b_gn, b_gs, b_ck, b_cq
 
@@ -237,11 +263,11 @@ def _history(hpcum, hw, p_pc, p_w, i_sh, t, o_k, o_l, K: tl.constexpr, L: tl.con
 @triton.jit
 def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, hcnt,
                           sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h, so_n, so_h, scale, NS, HV, G,
-                          SS, HS, sq_t, sk_t, sv_t, sg_t, sb_t, so_t, hstart, hcount, hpcum, hw,
-                          FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
+                          SS, HS, sq_t, sk_t, sv_t, sg_t, sb_t, so_t, hstart, hcount, hpcum, hw, a_log, dt_bias,
+                          lower_bound, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
                           R: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr, IS_KDA: tl.constexpr,
                           USE_QK_L2NORM: tl.constexpr, NATIVE: tl.constexpr, HIST: tl.constexpr, HT: tl.constexpr,
-                          T: tl.constexpr):
+                          T: tl.constexpr, PACKED: tl.constexpr, BETA_ROUND: tl.constexpr):
     """T tokens into the ring of (idx[n], hv), one after the other, and ``out[n, t, hv] = scale S_t q_t``; grid
     (N, HV). The checkpoint is read once for all of them; the ring, gates and count between tokens go through memory
     (this program's own rows, after a barrier).
@@ -251,8 +277,11 @@ def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf
     [N, T, HV]; out [N, T, HV, V] (T = 1: any stride ``s*_t``). Pool: ``codes``, ``skv``, ``uq`` int8, fp32, fp16
     views of ``raw``, region (s, hv) at word s SS + hv HS; the ring rows kbuf [L, K], ubuf [L, V], w [L], pcum [K]
     or [1], gbuf [L, K] (KDA; GDN: any pointer), hcnt, at row s HV + hv. ``HIST``: the pool's history (SPEC §6.1)
-    at row s HV + hv: ``hstart``, ``hcount`` int32, ``hpcum`` [HT, K or 1], ``hw`` [HT, L]. A row whose slot is not
-    real gets out = 0 and writes nothing else."""
+    at row s HV + hv: ``hstart``, ``hcount`` int32, ``hpcum`` [HT, K or 1], ``hw`` [HT, L]. ``PACKED`` (1: the
+    softplus gate, 2: KDA's lower-bound gate; 0: off): ``g`` and ``beta`` are ``step_packed``'s raw ``a`` and ``b``
+    and the gates are computed here from them and ``a_log``, ``dt_bias``, ``lower_bound`` (SPEC §6.2), beta rounded
+    as ``BETA_ROUND`` says (:func:`_token_gates`). A row whose slot is not real gets out = 0 and writes nothing
+    else."""
     i_n, i_hv = tl.program_id(0), tl.program_id(1)
     i_n64 = i_n.to(tl.int64)
     o_k, o_v, o_l, o_c = tl.arange(0, K), tl.arange(0, V), tl.arange(0, BL), tl.arange(0, 16)
@@ -273,7 +302,8 @@ def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf
     for t in range(T):  # a loop, not unrolled: unrolled, T tokens keep T bodies live (KBs of spills)
         j, m_old, b_k, b_q, b_beta, b_pc, b_e, b_w, b_gn, b_gs, b_ck, b_cq = _token(
             q + t * sq_t, k + t * sk_t, g + t * sg_t, beta + t * sb_t, hcnt, p_pc, p_w, p_gb, p_kb, i_n64, i_h, i_hv,
-            i_sh, sq_n, sq_h, sk_n, sk_h, sg_n, sg_h, sb_n, sb_h, o_k, o_l, K, L, IS_KDA, USE_QK_L2NORM, NATIVE)
+            i_sh, sq_n, sq_h, sk_n, sk_h, sg_n, sg_h, sb_n, sb_h, o_k, o_l, a_log, dt_bias, lower_bound, K, L, IS_KDA,
+            USE_QK_L2NORM, NATIVE, PACKED, BETA_ROUND)
         # the old rank-R part: a_r = u_r . (x * decay)
         o_r = tl.arange(0, BR)
         b_u = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=(o_r < R)[:, None] & (o_k[None, :] < K),
@@ -327,11 +357,12 @@ def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf
 @triton.jit
 def leapquant_step_fma_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf, w, pcum, gbuf, hcnt,
                               sq_n, sq_h, sk_n, sk_h, sv_n, sv_h, sg_n, sg_h, sb_n, sb_h, so_n, so_h, scale, NS, HV,
-                              G, SS, HS, sq_t, sk_t, sv_t, sg_t, sb_t, so_t, hstart, hcount, hpcum, hw,
-                              FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
-                              R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr, IS_KDA: tl.constexpr,
-                              USE_QK_L2NORM: tl.constexpr, NATIVE: tl.constexpr, HIST: tl.constexpr,
-                              HT: tl.constexpr, T: tl.constexpr):
+                              G, SS, HS, sq_t, sk_t, sv_t, sg_t, sb_t, so_t, hstart, hcount, hpcum, hw, a_log,
+                              dt_bias, lower_bound, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                              L: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
+                              IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, NATIVE: tl.constexpr,
+                              HIST: tl.constexpr, HT: tl.constexpr, T: tl.constexpr, PACKED: tl.constexpr,
+                              BETA_ROUND: tl.constexpr):
     """:func:`leapquant_step_kernel` without tensor cores, for sm_75 (Triton cannot lower its int8 product there):
     fp32 elementwise products and sums over chunks of BV value channels, one chunk of the codes in registers at a
     time. The same arguments (but ``BV`` for ``BL``), grid and writes."""
@@ -354,7 +385,8 @@ def leapquant_step_fma_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, 
     for t in range(T):  # a loop, not unrolled: unrolled, T tokens keep T bodies live (KBs of spills)
         j, m_old, b_k, b_q, b_beta, b_pc, b_e, b_w, b_gn, b_gs, b_ck, b_cq = _token(
             q + t * sq_t, k + t * sk_t, g + t * sg_t, beta + t * sb_t, hcnt, p_pc, p_w, p_gb, p_kb, i_n64, i_h, i_hv,
-            i_sh, sq_n, sq_h, sk_n, sk_h, sg_n, sg_h, sb_n, sb_h, o_k, o_l, K, L, IS_KDA, USE_QK_L2NORM, NATIVE)
+            i_sh, sq_n, sq_h, sk_n, sk_h, sg_n, sg_h, sb_n, sb_h, o_k, o_l, a_log, dt_bias, lower_bound, K, L, IS_KDA,
+            USE_QK_L2NORM, NATIVE, PACKED, BETA_ROUND)
         # the old rank-R part: u_r . (x * decay)
         m_r = o_r < R
         b_u = tl.load(p_uq + o_r[:, None] * (K + V) + o_k[None, :], mask=m_r[:, None] & (o_k[None, :] < K),

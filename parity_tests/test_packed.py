@@ -221,13 +221,16 @@ CASES = [("fp32, H = HV", torch.float32, 2, 2, False, True),
          ("bf16, grouped H = 1", torch.bfloat16, 1, 2, True, False)]
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "apart"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
 @pytest.mark.parametrize("gate,lower_bound", GATES, ids=GATE_IDS)
-def test_step_packed_is_step(gate, lower_bound, case, backend):
+def test_step_packed_is_step(gate, lower_bound, case, backend, fused):
     """``step_packed`` gives ``leapquant.step``'s output and pool bytes, bit for bit, on the same backend, fed the
     views of ``mixed_qkv`` and the gates in torch (on a GPU; through the interpreter, the Triton gate kernel's own,
-    which are torch's within :data:`GATE_ULPS`); padding rows get 0; ``out`` and the workspace are written in place."""
+    which are torch's within :data:`GATE_ULPS`); padding rows get 0; ``out`` is written in place, and the workspace
+    too where the gates are computed apart (the reference, ``fused=False``), else left as it was (the Triton step
+    computes them in its prologue)."""
     _, dtype, H, HV, l2norm, full = next(c for c in CASES if c[0] == case)
     K = V = 64
     pool = _pool(gate, HV, K, V, 8, seed=7, full=full)
@@ -238,11 +241,16 @@ def test_step_packed_is_step(gate, lower_bound, case, backend):
     a[2] = float("nan")  # a padding row is never read
     out = torch.full((B, HV, V), float("nan"), dtype=dtype, device=DEVICE)
     ws = packed.packed_workspace(pool, B)
+    ws.g.fill_(float("nan"))
+    ws.beta.fill_(float("nan"))
     o = leapquant.step_packed(pool, idx, mixed, a, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
-                              use_qk_l2norm=l2norm, out=out, workspace=ws, backend=backend, check=True)
+                              use_qk_l2norm=l2norm, out=out, workspace=ws, backend=backend, check=True, fused=fused)
     assert o.data_ptr() == out.data_ptr() and o.dtype == dtype
     g, beta = packed.packed_gates(gate, a, b, A_log, dt_bias, lower_bound)
     real = torch.tensor([True, True, False, True, True], device=DEVICE)
+    if backend == "triton" and fused:
+        assert bool(ws.g.isnan().all()) and bool(ws.beta.isnan().all())
+        ws = _triton_gates(pool, a, b, A_log, dt_bias, lower_bound)  # the same functions as the kernel's prologue
     assert int(_spacings(ws.g[real], g[real]).max()) <= (GATE_ULPS if backend == "triton" else 0)
     if backend == "triton" and DEVICE == "cpu":
         g, beta = ws.g.clone(), ws.beta.clone()
@@ -250,6 +258,36 @@ def test_step_packed_is_step(gate, lower_bound, case, backend):
     want = leapquant.step(twin, idx, q, k, v, g, beta, use_qk_l2norm=l2norm, backend=backend)
     assert torch.equal(o, want)
     assert bool((o[2] == 0).all())
+    for name, bytes_ in parity.snapshot(twin).items():
+        assert torch.equal(parity.snapshot(pool)[name], bytes_), name
+
+
+@pytest.mark.skipif(not TRITON, reason="the Triton backend is not available here")
+@pytest.mark.parametrize("shape", ["64x64 ring 8", "128x128 ring 16"])
+@pytest.mark.parametrize("beta_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("gate,lower_bound", GATES, ids=GATE_IDS)
+def test_fused_gates_are_the_gates_apart(gate, lower_bound, beta_dtype, shape):
+    """The Triton step's own gates (``fused=True``, one launch) and the gates apart (the gate kernel into a workspace,
+    then the step; ``fused=False``) give the same output and pool bytes, bit for bit, beta rounded to the
+    workspace's dtype on both: the kernel's prologue evaluates the gate kernel's operations, each product and sum
+    rounded on its own although the step is compiled with FMA contraction on. 128 x 128 with ring 16 is the Gluon
+    kernel's shape on a GPU (the ``tl`` kernel elsewhere), with a ring flushed inside; grouped heads, bf16 tokens, a
+    padding row."""
+    K, L = (64, 8) if shape.startswith("64") else (128, 16)
+    H, HV = 1, 2
+    pool = _pool(gate, HV, K, K, L, seed=11)
+    twin = parity.twin(pool)
+    idx = torch.tensor([3, 0, 1, 2, 4], dtype=torch.int32, device=DEVICE)  # row 1 pads
+    mixed, a, b, A_log, dt_bias = _raw(gate, idx.numel(), H, HV, K, K, seed=12, dtype=torch.bfloat16, spread=4.0)
+    a[1] = float("nan")
+    outs = []
+    for p, fused in ((pool, True), (twin, False)):
+        ws = packed.packed_workspace(p, idx.numel(), beta_dtype)
+        outs.append(leapquant.step_packed(p, idx, mixed, a, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                          use_qk_l2norm=True, workspace=ws, backend="triton", check=False,
+                                          fused=fused))
+    assert bool(outs[0].isfinite().all()) and bool((outs[0][1] == 0).all())
+    assert torch.equal(outs[0], outs[1])
     for name, bytes_ in parity.snapshot(twin).items():
         assert torch.equal(parity.snapshot(pool)[name], bytes_), name
 

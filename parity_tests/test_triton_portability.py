@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 pytest.importorskip("triton.backends.nvidia.compiler")
 
 from leapquant_triton.flush import SCHEDULES  # noqa: E402
-from leapquant_triton.portability import MAX_SPILL_BYTES, STEP, STEP_GLUON  # noqa: E402
+from leapquant_triton.portability import MAX_SPILL_BYTES, STEP, STEP_GLUON, STEP_GLUON_PACKED, STEP_PACKED  # noqa: E402,E501
 from leapquant_triton.step import gluon_kernel  # noqa: E402
 from leapquant_triton.targets import STEP_CAPABILITIES, SUPPORTED_CAPABILITIES  # noqa: E402
 
@@ -63,6 +63,27 @@ def test_claimed_architectures_fit():
         assert m[6] == "mma.sync", line
     assert sum(" step-gluon " in line and " ok " in line for line in rows) == (
         len(SUPPORTED_CAPABILITIES) if gluon_here else 0), res.stdout
+
+
+@pytest.mark.slow  # python -m pytest -m slow (CI runs it, under every Triton release the extra takes)
+def test_packed_step_builds_fit():
+    """``step_packed``'s builds (one token, the gates computed in the prologue) compile and fit on sm_80 and sm_90:
+    the ``tl`` kernel at both shapes, the Gluon kernel at 128 x 128 where it is taken (its Triton releases) with no
+    spills (its registers hold the gates beside the token's keys), elsewhere not built."""
+    res = _run("--quick", "--ops", "packed", "--arch", "80,90")
+    assert res.returncode == 0, res.stdout + res.stderr[-4000:]
+    rows = [line for line in res.stdout.splitlines() if line.startswith("sm_")]
+    assert len(rows) == 2 * 2 * 2, res.stdout
+    gluon_here = gluon_kernel() is not None
+    for line in rows:
+        if f" {STEP_GLUON_PACKED} " in line and not (gluon_here and " K128 V128 L16 " in line):
+            assert "not built" in line and "(not claimed)" in line, line
+            continue
+        m = re.search(rf" ({STEP_PACKED}|{STEP_GLUON_PACKED}) +ok +warps +\d+ +regs +(\d+)/255 +spill +(\d+) B ", line)
+        assert m and int(m[3]) <= MAX_SPILL_BYTES and " mma.sync " in line, line
+        if m[1] == STEP_GLUON_PACKED:
+            assert int(m[2]) <= 128 and int(m[3]) == 0, line
+    assert sum(f" {STEP_GLUON_PACKED} " in line and " ok " in line for line in rows) == (2 if gluon_here else 0)
 
 
 @pytest.mark.slow
