@@ -28,6 +28,10 @@ Cases, one table per gate:
   holding the same bytes (copied view by view from the engine pool). The floor counts the checkpoint's own bytes,
   ``pool.geometry.checkpoint_bytes`` (codes, scales, factors: 19,456 B at 128 x 128, rank 4), in both layouts: the
   compact layout only rounds each checkpoint up to 128 B, padding no kernel reads (none at 128 x 128);
+* ``packed fill 8``, ``packed fill 8, gates apart``: ``leapquant.step_packed`` (vLLM's packed decode call) at fill
+  8, from the packed ``mixed_qkv`` with q and k l2-normalised in the kernel and the raw gate inputs (``a``, ``b``
+  bf16), the gates computed in the step kernel, then (``fused=False``) apart in a launch of their own into a
+  workspace; the floor reads ``a`` and ``b`` in bf16 in the places of the step's fp32 ``g`` and ``beta``;
 * ``fla fp32`` / ``fla bf16``: FLA's ``fused_recurrent_kda_fwd`` with the state updated in place in a slot pool of
   that dtype (``inplace_final_state``, ``ssm_state_indices``, ``state_v_first``), what engines run today. FLA 0.6's
   ``fused_recurrent_gated_delta_rule`` has no in-place slot-pool mode, so GDN's anchor is the same KDA call fed GDN's
@@ -58,6 +62,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import math
 import os
 import platform
 import subprocess
@@ -85,6 +90,8 @@ CPU_SWEEP = (1, 2, 4)
 # and issue 36's: a verify of VERIFY_T tokens per row at most 1.6x a one-token step
 VERIFY_T = 4
 VERIFY = f"verify T={VERIFY_T} (fill 8)"
+# step_packed at fill 8 (one launch, the gates in the step kernel; then the gates apart, in a launch of their own)
+PACKED_CASES = ("packed fill 8", "packed fill 8, gates apart")
 # the sweep's small batches as an engine steps them: L steps per sequence, each sequence's rings flushed once
 CYCLE = "decode cycle"
 BOUNDS = (("step fill 8", "floor", 1.5), ("decode layer", "step fill 8", 1.15), ("decode layer", "fla fp32", 0.3),
@@ -111,6 +118,13 @@ def step_bytes(pool: leapquant.Pool, entries_read: int, key_heads: int, in_size:
     written = per_entry + (4 * entries_read if not kda else 0)  # GDN rewrites the decayed weights
     inputs = 2 * K * in_size * key_heads / pool.heads + V * in_size + (4 * K if kda else 4) + 4
     return int(checkpoint + entries_read * per_entry + gate_state + written + inputs + V * out_size)
+
+
+def packed_bytes(pool: leapquant.Pool, entries_read: int, key_heads: int) -> int:
+    """:func:`step_bytes` of a ``step_packed`` call with bf16 tokens: the raw gate inputs ``a`` and ``b`` (bf16) read
+    in the places of ``g`` and ``beta`` (fp32); ``A_log`` and ``dt_bias``, one per head, are not counted."""
+    gate = pool.head_k if pool.gate == "kda" else 1
+    return step_bytes(pool, entries_read, key_heads, 2, 2) - 2 * (gate + 1)
 
 
 def verify_bytes(pool: leapquant.Pool, entries_read: int, tokens: int, key_heads: int) -> int:
@@ -321,7 +335,38 @@ def leapquant_rows(timer: Timer, s: Setup, backend: str, fills=FILLS, compact: b
         if layout == "engine" and verify:
             rows.append(_attempt(VERIFY, lambda pool=pool, restorer=restorer: _verify(timer, s, pool, backend,
                                                                                         restorer), layout=layout))
+            for name, fused in zip(PACKED_CASES, (True, False)):
+                rows.append(_attempt(name, lambda name=name, fused=fused, pool=pool, restorer=restorer: _packed(
+                    timer, name, fused, s, pool, backend, restorer), layout=layout))
     return rows
+
+
+def _packed(timer, name: str, fused: bool, s, pool, backend: str, restorer) -> dict:
+    """:data:`PACKED_CASES`: ``leapquant.step_packed`` at fill 8 from vLLM's packed projection (``mixed_qkv``, q and k
+    l2-normalised in the kernel) and the raw gate inputs (``a``, ``b`` bf16; ``A_log``, ``dt_bias`` fp32), the gates
+    computed in the step kernel (``fused``) or apart, into a workspace, before it."""
+    if not hasattr(leapquant, "step_packed") or (not fused and not _takes_fused()):
+        raise Unsupported("this tree's step_packed computes its gates apart only")
+    B, HV, H, K = s.idx.numel(), pool.heads, s.key_heads, pool.head_k
+    gen = torch.Generator().manual_seed(2)
+    mixed = torch.cat([x.flatten(1) for x in (s.q, s.k, s.v)], 1)
+    kda = pool.gate == "kda"
+    a = torch.randn(*((B, HV, K) if kda else (B, HV)), generator=gen).to(mixed.device, torch.bfloat16)
+    b = torch.randn(B, HV, generator=gen).to(mixed.device, torch.bfloat16)
+    A_log = torch.full((HV,), math.log(0.05), device=mixed.device)
+    dt_bias = torch.zeros(HV * K if kda else HV, device=mixed.device)
+    ws = leapquant.packed_workspace(pool, B)
+    kw = dict(fused=fused) if _takes_fused() else {}
+    step = lambda: leapquant.step_packed(pool, s.idx, mixed, a, b, A_log=A_log, dt_bias=dt_bias,  # noqa: E731
+                                         use_qk_l2norm=True, out=s.out, workspace=ws, backend=backend, check=False,
+                                         **kw)
+    return timer(name, step, restorer(torch.full((B, HV), 7)), B * HV * packed_bytes(pool, 7, H), fill=8,
+                 fused=fused, layout="engine", backend=leapquant.select(pool, backend, op="step").name)
+
+
+def _takes_fused() -> bool:
+    """Whether this tree's ``step_packed`` has the ``fused`` switch."""
+    return "fused" in inspect.signature(leapquant.step_packed).parameters
 
 
 def cycle_fills(B: int, HV: int, L: int) -> torch.Tensor:
@@ -410,7 +455,7 @@ def _memory(gate: str, heads: int, head_dim: int, ring: int, rank: int) -> dict 
 
 
 def _planned(with_fla: bool) -> list[str]:
-    return ([f"step fill {f}" for f in FILLS] + ["decode layer", VERIFY]
+    return ([f"step fill {f}" for f in FILLS] + ["decode layer", VERIFY, *PACKED_CASES]
             + [f"step fill {f} (compact)" for f in COMPACT_FILLS]
             + ["decode layer (compact)"] + (list(FLA_CASES) if with_fla else []))
 

@@ -83,7 +83,7 @@ def test_host_overhead_smoke(tmp_path):
 
 
 DECODE_CASES = ["step fill 1", "step fill 8", "step fill 15", "decode layer", "verify T=4 (fill 8)",
-                "step fill 8 (compact)", "decode layer (compact)"]
+                "packed fill 8", "packed fill 8, gates apart", "step fill 8 (compact)", "decode layer (compact)"]
 BOUNDS_LINE = ("Bounds (issue 38): step fill 8 <= 1.5x its floor; decode layer <= 1.15x step fill 8, <= 0.3x fla fp32, "
                "<= 0.5x fla bf16; verify T=4 (fill 8) <= 1.6x step fill 8.")
 
@@ -119,6 +119,10 @@ def test_decode_bench_smoke(tmp_path):
         assert rows["decode layer"]["due"] == rows["decode layer (compact)"]["due"] >= 1
         # a verify of 4 tokens moves more than one token's step, less than four
         assert rows["step fill 8"]["bytes"] < rows["verify T=4 (fill 8)"]["bytes"] < 4 * rows["step fill 8"]["bytes"]
+        # the packed call reads bf16 gate inputs where the step reads fp32 gates: fewer bytes, the same either way
+        packed, apart = rows["packed fill 8"], rows["packed fill 8, gates apart"]
+        assert packed["bytes"] == apart["bytes"] < rows["step fill 8"]["bytes"]
+        assert packed["fused"] is True and apart["fused"] is False and packed["fill"] == 8
         assert section["pool_slots"] == 5 and section["backend"] == {"engine": "reference", "compact": "reference"}
         m = section["memory_per_sequence"]
         assert m["fp32"] == 2 * m["bf16"] == 2 * 2 * 64 * 64 * 2 and m["leapquant_compact"] < m["leapquant_engine"]
