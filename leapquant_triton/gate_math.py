@@ -6,8 +6,9 @@ They are ``leapquant.packed``'s formulas (FLA's naive gates), evaluated in the o
 so that on a GPU the gates are torch's bit for bit: ``softplus(x) = x`` above 20, else ``log1p(exp(x))`` (torch's
 CUDA ``softplus``), ``sigmoid(x) = 1 / (1 + exp(-x))`` (its CUDA ``sigmoid``), with libdevice's ``expf`` and
 ``log1pf`` (what those kernels call) and a correctly rounded division. Every product and sum of the formulas is an
-explicitly rounded one (``mul.rn.f32``, ``add.rn.f32`` in inline PTX) on a GPU: the step kernels are compiled with FMA contraction on,
-and a gate's product contracted into the step's ``pcum + g`` would move the last bit. The interpreter has no
+explicitly rounded one (``mul.rn.f32``, ``add.rn.f32`` in inline PTX) on a GPU: the step kernels are compiled
+with FMA contraction on, and a gate's product contracted into the step's ``pcum + g`` would move the last bit;
+libdevice's ``mul_rn`` / ``add_rn`` would not do, as Triton links them with denormals flushed to zero. The interpreter has no
 libdevice: there ``exp`` and ``log1p`` are computed in fp64 and rounded (correctly rounded fp32, where torch's CPU
 kernels, Sleef's, are within an ulp of it).
 
