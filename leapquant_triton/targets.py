@@ -44,7 +44,8 @@ def step_kernels_note() -> str:
     now = ("taken here" if here in GLUON_RELEASES else
            f"not with Triton {'.'.join(map(str, here)) if here else '(none)'} here: the tl kernel serves every shape")
     return (f"decode step: the Gluon kernel for K = V = 128, ring 16, rank <= 4 on sm_80+ under Triton {gluon} "
-            f"({now}); the tl kernel for the other shapes; sm_75 its FMA kernel")
+            f"({now}); the tl kernel for the other shapes; sm_75 its FMA kernel; each computes step_packed's gates "
+            "in its prologue")
 
 
 def triton_release(version: str) -> tuple[int, int]:

@@ -344,9 +344,13 @@ def test_kernel_choice():
     Asking for the Gluon kernel where it does not apply is a clear error."""
     from leapquant.geometry import Geometry
     from leapquant_triton import step as st
-    from leapquant_triton.targets import GLUON_RELEASES, interpreting, triton_release
+    from leapquant_triton.targets import GLUON_RELEASES, interpreting, step_kernels_note, triton_release
 
     fast = Geometry(2, 4, 128, 128, 16, 4, "kda")
+    # what `python -m leapquant info` says of it: whether the installed release takes the Gluon kernel
+    note = step_kernels_note()
+    assert ("(taken here)" in note) == (triton_release(triton.__version__) in GLUON_RELEASES), note
+    assert "step_packed's gates in its prologue" in note
     # the interpreter runs no Gluon: there the tl kernel's twin serves every shape
     here = triton_release(triton.__version__) in GLUON_RELEASES and not interpreting()
     assert st.kernel_for(fast, 90) == ("gluon" if here else "mma")
