@@ -173,34 +173,31 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
             accept(pool, idx, num_accepted, check=check, backend=backend)
     if T > 1:
         return _step_tokens(pool, idx, T, q, k, v, g, beta, scale, use_qk_l2norm, out, backend, check)
-    if not torch.compiler.is_compiling():
-        q, k, v, g, beta, o, scale = step_operands(pool, idx, q, k, v, g, beta, scale, out, check)
+    eager = not torch.compiler.is_compiling()  # compiled, the op checks the pool and the values when it runs
+    q, k, v, g, beta, o, scale = step_operands(pool, idx, q, k, v, g, beta, scale, out, check, eager=eager)
+    if eager:
         launch(pool, resolve(backend, pool, "step").step, idx, q, k, v, g, beta, scale, bool(use_qk_l2norm), o)
         return o
-    q, k, v, beta = (token_rows(t, n, d, B) for t, n, d in ((q, "q", 3), (k, "k", 3), (v, "v", 3), (beta, "beta", 2)))
-    g = token_rows(g, "g", 3 if pool.gate == "kda" else 2, B, gate_form(pool.gate))
-    o = None if out is None else token_rows(out, "out", 3, B)
-    check_step_inputs(pool, q, k, v, g, beta, o)
-    scale = check_scale(pool.head_k ** -0.5 if scale is None else scale)
-    if o is None:
-        o = torch.empty(B, pool.heads, pool.head_v, dtype=q.dtype, device=pool.device)
     torch.ops.leapquant.step(*op_args(pool, idx, backend)[:-1], q, k, v, g, beta, o, scale, bool(use_qk_l2norm),
                              backend, check=bool(check), layout=pool.layout)
     return o
 
 
-def step_operands(pool: Pool, idx: torch.Tensor, q, k, v, g, beta, scale, out, check: bool, values: bool = True):
-    """The eager checks of a one-token :func:`step` in their order (the pool and ``idx``, the token tensors' forms,
-    shapes, dtypes and memory, ``scale``; with ``check`` and ``values`` the token values) and its operands:
-    ``(q, k, v, g, beta, out, scale)`` in their ``[B, ...]`` forms, ``out`` allocated where None."""
+def step_operands(pool: Pool, idx: torch.Tensor, q, k, v, g, beta, scale, out, check: bool, values: bool = True,
+                  eager: bool = True):
+    """The checks of a one-token :func:`step` in their order (``eager``: the pool and ``idx``; the token tensors'
+    forms, shapes, dtypes and memory, ``scale``; ``eager`` with ``check`` and ``values``: the token values) and its
+    operands: ``(q, k, v, g, beta, out, scale)`` in their ``[B, ...]`` forms, ``out`` allocated where None."""
     B = idx.numel()
-    _check_call(pool, idx, check)
+    if eager:
+        _check_call(pool, idx, check)
     q, k, v, beta = (token_rows(t, n, d, B) for t, n, d in ((q, "q", 3), (k, "k", 3), (v, "v", 3), (beta, "beta", 2)))
     g = token_rows(g, "g", 3 if pool.gate == "kda" else 2, B, gate_form(pool.gate))
     o = None if out is None else token_rows(out, "out", 3, B)
     check_step_inputs(pool, q, k, v, g, beta, o)
     scale = check_scale(pool.head_k ** -0.5 if scale is None else scale)
-    _check_step(pool, idx, q, k, v, g, beta, o, check and values)
+    if eager:
+        _check_step(pool, idx, q, k, v, g, beta, o, check and values)
     if o is None:
         o = torch.empty(B, pool.heads, pool.head_v, dtype=q.dtype, device=pool.device)
     return q, k, v, g, beta, o, scale
