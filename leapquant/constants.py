@@ -5,6 +5,8 @@ EPS = 1e-12  # floor of the column and row scales
 FLOOR = 1e-6  # relative pivot floor of CholeskyQR: L_ii^2 >= FLOOR * G_ii
 TINY = 1e-30  # absolute floor of a pivot (a zero column of Y)
 PNMIN = 1e-20  # GDN: floor of the cumulative gate product
+# step_packed's gates (SPEC §6.2): torch.nn.functional.softplus's threshold, above which softplus(x) is x
+SOFTPLUS_THRESHOLD = 20.0
 FP16_MAX = 65504.0  # the factors saturate here (SPEC §4)
 BASE_WORDS = 12288  # fp32 words before slot 0's region in the pool's raw buffer
 

@@ -31,9 +31,6 @@ from .ops import BackendName, check_pool_type, step, step_operands
 from .pool import Pool
 from .registry import launch, resolve
 
-# torch.nn.functional.softplus's default threshold (with beta 1): above it softplus(x) is x
-SOFTPLUS_THRESHOLD = 20.0
-
 
 def softplus(x: torch.Tensor) -> torch.Tensor:
     """``log(1 + exp(x))`` as FLA's naive gates take it: ``F.softplus`` with beta 1 and threshold 20."""

@@ -22,7 +22,9 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-SOFTPLUS_THRESHOLD = tl.constexpr(20.0)
+from leapquant import constants
+
+SOFTPLUS_THRESHOLD = tl.constexpr(constants.SOFTPLUS_THRESHOLD)
 # the fp64 values that round to an infinite fp32 (2^128 - 2^103, the midpoint above FLT_MAX: ties go to even, 2^128)
 F32_OVERFLOW = tl.constexpr(3.4028235677973366e38)
 # fp64 exp's argument clamped here in the interpreter (exp(100) ~ 2.7e43 is finite in fp64, infinite in fp32)

@@ -38,6 +38,7 @@ from leapquant import constants
 
 QMAX = gl.constexpr(constants.QMAX)
 PNMIN = gl.constexpr(constants.PNMIN)
+SOFTPLUS_THRESHOLD = gl.constexpr(constants.SOFTPLUS_THRESHOLD)
 L2NORM_EPS = gl.constexpr(1e-6)
 
 
@@ -167,16 +168,15 @@ def _packed_gates(a, b, a_log, dt_bias, lower_bound, i_n64, i_hv, sa_n, sa_h, sb
     b_A = libdevice.exp(gl.load(a_log + i_hv).to(gl.float32))
     if IS_KDA:  # the scalars as [K] tiles (libdevice's functions take operands of one layout)
         x = _add_rn(gl.load(a + i_n64 * sa_n + i_hv * sa_h + o_k).to(gl.float32),
-                             gl.load(dt_bias + i_hv * K + o_k).to(gl.float32))
+                    gl.load(dt_bias + i_hv * K + o_k).to(gl.float32))
         b_A = gl.full_like(x, b_A)
     else:
-        x = _add_rn(gl.load(a + i_n64 * sa_n + i_hv * sa_h).to(gl.float32),
-                             gl.load(dt_bias + i_hv).to(gl.float32))
+        x = _add_rn(gl.load(a + i_n64 * sa_n + i_hv * sa_h).to(gl.float32), gl.load(dt_bias + i_hv).to(gl.float32))
     if PACKED == 2:  # KDA's lower-bound gate
         gg = _mul_rn(gl.full_like(x, lower_bound), _sigmoid(_mul_rn(b_A, x)))
     else:  # softplus: x above 20, else log1p(exp(x)) (exp's argument clamped where it is not used)
-        big = x > 20.0
-        sp = gl.where(big, x, libdevice.log1p(libdevice.exp(gl.where(big, 20.0, x))))
+        big = x > SOFTPLUS_THRESHOLD
+        sp = gl.where(big, x, libdevice.log1p(libdevice.exp(gl.where(big, SOFTPLUS_THRESHOLD, x))))
         gg = _mul_rn(-b_A, sp)
     bb = _sigmoid(gl.load(b + i_n64 * sb_n + i_hv).to(gl.float32))
     if BETA_ROUND == 1:
