@@ -31,7 +31,7 @@ from .flush import SCHEDULES, kernel_constants
 from .flush_kernel import leapquant_flush_kernel
 from .states import KERNELS as STATES_KERNELS
 from .states import states_constants
-from .step import UNPACKED, gluon_kernel, gluon_shape, step_build
+from .step import UNPACKED, gluon_kernel, gluon_shape, step_build, tokens_per_launch
 from .targets import (
     GLUON_RELEASES,
     STEP_CAPABILITIES,
@@ -224,7 +224,7 @@ def compile_step(arch: int, shape: Shape, num_warps: int | None = None, gluon: b
     :func:`.step_kernel.leapquant_step_fma_kernel`, no tensor cores. True: :mod:`.step_gluon`'s kernel (``mma.sync``,
     its explicit ``mma_v2``), claimed where :func:`.step.kernel_for` takes it; elsewhere not built. Never wgmma or
     tcgen05. ``packed``: ``step_packed``'s build (one token, the softplus gates and a bf16 beta computed in the
-    prologue); else T = L / 2 tokens with the history."""
+    prologue); else T = L / 2 tokens (at most what one launch of the kernel takes) with the history."""
     geometry = _geometry(shape)
     name = (STEP_GLUON_PACKED if packed else STEP_GLUON) if gluon else (STEP_PACKED if packed else STEP)
     if gluon:
@@ -238,10 +238,13 @@ def compile_step(arch: int, shape: Shape, num_warps: int | None = None, gluon: b
         constexprs.update(NATIVE=True)
     pointers = dict(_STEP_POINTERS, **_HISTORY_POINTERS)
     if packed:  # step_packed: one token, the gates from a, b (g's and beta's places), A_log and dt_bias
-        constexprs.update(HIST=False, HT=1, T=1, PACKED=1, BETA_ROUND=1)
+        constexprs.update(HIST=False, HT=1, T=1, PACKED=1, BETA_ROUND=1, TOFF=0)
         pointers.update(a_log="*fp32", dt_bias="*fp32")
-    else:  # the larger build: T tokens per row with the history of SPEC §6.1 (at most L / 2 tokens)
-        constexprs.update(HIST=True, HT=shape.ring // 2 + 1, T=shape.ring // 2, **UNPACKED)
+    else:  # the larger build: T tokens per row with the history of SPEC §6.1 (at most L / 2 tokens, as many as a
+        # launch of this kernel takes)
+        per_launch = tokens_per_launch("gluon" if gluon else "mma") or shape.ring // 2
+        constexprs.update(HIST=True, HT=shape.ring // 2 + 1, T=min(shape.ring // 2, per_launch), TOFF=0,
+                          **UNPACKED)
     if num_warps:
         options["num_warps"] = num_warps
     names = ("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "sg_n", "sg_h", "sb_n", "sb_h", "so_n", "so_h",

@@ -26,6 +26,10 @@ FMA_WARPS = 4
 # the Gluon kernel: two warps capped at 128 registers, as the mma kernel (eight programs per SM)
 GLUON_WARPS = 2
 GLUON_MAXNREG = 128
+# the most tokens per row the Gluon kernel takes in one launch: past four its call's tiles spill and its shared
+# memory leaves fewer programs per SM, so a call of more runs as launches of at most four, as even as they can be
+# (T = 5-8 6-17 % faster than in one launch, docs/DESIGN.md)
+GLUON_TOKENS_PER_LAUNCH = 4
 
 
 def uses_fma(capability: int | None) -> bool:
@@ -143,35 +147,54 @@ def packed_args(A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float |
                 PACKED=1 if lower_bound is None else 2, BETA_ROUND=BETA_ROUND[beta_dtype])
 
 
+def tokens_per_launch(kernel: str) -> int | None:
+    """The most tokens per row ``kernel`` takes in one launch (None: any number)."""
+    return GLUON_TOKENS_PER_LAUNCH if kernel == "gluon" else None
+
+
+def _launches(T: int, per_launch: int | None) -> list[tuple[int, int]]:
+    """(first token, tokens) of each launch of a call of ``T`` tokens per row: as few launches as take at most
+    ``per_launch`` tokens each (None: one), their sizes as even as can be, the larger first (5 = 3 + 2, 7 = 4 + 3)."""
+    n = -(-T // per_launch) if per_launch else 1
+    sizes = [T // n + (i < T % n) for i in range(n)]
+    return [(sum(sizes[:i]), m) for i, m in enumerate(sizes)]
+
+
 def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
               beta: torch.Tensor, scale: float, use_qk_l2norm: bool, out: torch.Tensor,
-              kernel: str | None = None, packed: dict | None = None) -> None:
+              kernel: str | None = None, packed: dict | None = None, per_launch: int | None = None) -> None:
     """One decode token per row of ``idx`` (int32 ``[N]``) on ``pool`` in place, ``out`` written (SPEC §6); with
     token tensors of a token axis (``q`` ``[N, T, H, K]``, ..., ``out`` ``[N, T, HV, V]``), T tokens per row (SPEC
     §6.1: the rings that cannot hold T more flushed first, then the tokens one after the other in one launch, the
-    checkpoint read once), and the pool's history written where it keeps one. ``packed`` (:func:`packed_args`, one
+    checkpoint read once per launch), and the pool's history written where it keeps one. ``packed`` (:func:`packed_args`, one
     token): ``g`` and ``beta`` are ``step_packed``'s raw ``a`` (``[N, HV, K]`` / ``[N, HV]``) and ``b``, the gates
     computed inside the step kernel.
 
     Flushes the full rings of ``idx`` first (:func:`.flush.flush_pool`; stream order makes the step see the new
     checkpoints), then launches the step kernel ``kernel`` (default :func:`kernel_for`; the tests run each) on grid
     ``(N, HV)``. ``q``, ``k`` ``[N, H, K]`` (H dividing HV), ``v`` ``[N, HV, V]``, ``g`` ``[N, HV, K]`` (KDA) or
-    ``[N, HV]`` (GDN), ``beta`` ``[N, HV]``, ``out`` ``[N, HV, V]``: float32, bfloat16 or float16, unit last stride. No
-    host synchronisation and no allocation beyond the flush's: graph-capturable."""
+    ``[N, HV]`` (GDN), ``beta`` ``[N, HV]``, ``out`` ``[N, HV, V]``: float32, bfloat16 or float16, unit last stride. A
+    call of more tokens than the kernel takes in one launch (``per_launch``, default :func:`tokens_per_launch`) runs
+    as consecutive launches over the tokens, each the next one's start, the history written as by one. No host
+    synchronisation and no allocation beyond the flush's: graph-capturable."""
     N = idx.numel()
     if N == 0:
         return
     T = q.shape[1] if q.dim() == 4 else 1
-    dims = "nth" if T > 1 else "nh"  # the token axis second; one token: no axis, its stride unused
-    strides = {f"s{name}_{d}": t.stride(i) for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("b", beta),
-                                                             ("o", out)) for i, d in enumerate(dims)}
-    if T == 1:
-        strides.update({f"s{name}_t": 0 for name in "qkvgbo"})
     if packed is not None and T > 1:
         raise ValueError("step_packed's gates are computed in the kernel for one token per row")
-    dynamic = dict(idx=idx, q=q, k=k, v=v, g=g, beta=beta, out=out, **strides, scale=float(scale),
-                   G=pool.heads // q.shape[-2], **(packed or UNPACKED))
     kernel = kernel or kernel_for(pool.geometry, device_capability(pool.raw.device))
-    dynamic["T"] = T
     flush_pool(pool, idx, force=T if T > 1 else False)
-    _prepared(pool, use_qk_l2norm, kernel)((N, pool.heads), dynamic)
+    launch = _prepared(pool, use_qk_l2norm, kernel)
+    tensors = dict(q=q, k=k, v=v, g=g, beta=beta, out=out)
+    for t0, n in _launches(T, per_launch or tokens_per_launch(kernel)) if T > 1 else [(0, 1)]:
+        if T > 1:  # this launch's tokens: a token axis of n, or one token without the axis
+            part = {name: x[:, t0:t0 + n] if n > 1 else x[:, t0] for name, x in tensors.items()}
+        else:
+            part = tensors
+        dims = "nth" if n > 1 else "nh"  # the token axis second; one token: no axis, its stride unused
+        strides = {f"s{name[0]}_{d}": x.stride(i) for name, x in part.items() for i, d in enumerate(dims)}
+        if n == 1:
+            strides.update({f"s{name}_t": 0 for name in "qkvgbo"})
+        launch((N, pool.heads), dict(idx=idx, **part, **strides, scale=float(scale), G=pool.heads // q.shape[-2],
+                                     **(packed or UNPACKED), T=n, TOFF=t0))

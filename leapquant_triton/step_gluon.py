@@ -277,7 +277,7 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
                                 dt_bias, lower_bound, FIRST: gl.constexpr, K: gl.constexpr, V: gl.constexpr,
                                 L: gl.constexpr, R: gl.constexpr, IS_KDA: gl.constexpr, USE_QK_L2NORM: gl.constexpr,
                                 HIST: gl.constexpr, HT: gl.constexpr, T: gl.constexpr, PACKED: gl.constexpr,
-                                BETA_ROUND: gl.constexpr, NW: gl.constexpr):
+                                BETA_ROUND: gl.constexpr, TOFF: gl.constexpr, NW: gl.constexpr):
     """T tokens into the ring of (idx[n], hv), one after the other, and ``out[n, t, hv] = scale S_t q_t``; grid
     (N, HV), ``NW`` warps. The arguments are :func:`.step_kernel.leapquant_step_kernel`'s (``NW``: its
     ``num_warps``; ``PACKED`` with one token only)."""
@@ -425,13 +425,14 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
         sv = gl.load(p_skv + K + o_v) / QMAX
     kd = kd * gl.where(o_l < j, w0, 0.0)[:, None]  # the weights in (GDN: their decays since, a factor of the call's)
     if HIST:
-        gl.store(hstart + i_sh, h)
-        gl.store(hcount + i_sh, T)
-        if IS_KDA:
-            gl.store(hpcum + i_sh * HT * K + o_k, pc0)
-        else:
-            gl.store(hpcum + i_sh * HT, pc0)
-        gl.store(hw + i_sh * HT * L + o_l, w0)
+        if TOFF == 0:  # the call's first launch: its start and the state before it
+            gl.store(hstart + i_sh, h)
+            if IS_KDA:
+                gl.store(hpcum + i_sh * HT * K + o_k, pc0)
+            else:
+                gl.store(hpcum + i_sh * HT, pc0)
+            gl.store(hw + i_sh * HT * L + o_l, w0)
+        gl.store(hcount + i_sh, TOFF + T)
 
     # the tokens: each one's sums over the channels (its products with the ring's keys, the call's earlier keys and
     # the rank factors) in one pass through shared memory, two barriers
@@ -521,11 +522,11 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
         gl.store(p_ub + jt * V + o_v, un, mask=m_new)
         if HIST:
             if IS_KDA:
-                gl.store(hpcum + (i_sh * HT + t + 1) * K + o_k, pc)
+                gl.store(hpcum + (i_sh * HT + TOFF + t + 1) * K + o_k, pc)
             else:
-                gl.store(hpcum + i_sh * HT + t + 1, pc)
+                gl.store(hpcum + i_sh * HT + TOFF + t + 1, pc)
             # the weights after token t: the ring's, the call's up to t, and past jt the row as the call found it
-            p_hw = hw + (i_sh * HT + t + 1) * L
+            p_hw = hw + (i_sh * HT + TOFF + t + 1) * L
             gl.store(p_hw + o_lw, gl.where(o_lw < j, wold, w0w), mask=(o_lw < j) | (o_lw > jt))
             gl.store(p_hw + j + o_tw, gl.convert_layout(wn, wl), mask=(o_tw <= t) & (j + o_tw >= 0))
     if IS_KDA:

@@ -267,7 +267,7 @@ def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf
                           lower_bound, FIRST: tl.constexpr, K: tl.constexpr, V: tl.constexpr, L: tl.constexpr,
                           R: tl.constexpr, BR: tl.constexpr, BL: tl.constexpr, IS_KDA: tl.constexpr,
                           USE_QK_L2NORM: tl.constexpr, NATIVE: tl.constexpr, HIST: tl.constexpr, HT: tl.constexpr,
-                          T: tl.constexpr, PACKED: tl.constexpr, BETA_ROUND: tl.constexpr):
+                          T: tl.constexpr, PACKED: tl.constexpr, BETA_ROUND: tl.constexpr, TOFF: tl.constexpr):
     """T tokens into the ring of (idx[n], hv), one after the other, and ``out[n, t, hv] = scale S_t q_t``; grid
     (N, HV). The checkpoint is read once for all of them; the ring, gates and count between tokens go through memory
     (this program's own rows, after a barrier).
@@ -280,8 +280,10 @@ def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf
     at row s HV + hv: ``hstart``, ``hcount`` int32, ``hpcum`` [HT, K or 1], ``hw`` [HT, L]. ``PACKED`` (1: the
     softplus gate, 2: KDA's lower-bound gate; 0: off): ``g`` and ``beta`` are ``step_packed``'s raw ``a`` and ``b``
     and the gates are computed here from them and ``a_log``, ``dt_bias``, ``lower_bound`` (SPEC §6.2), beta rounded
-    as ``BETA_ROUND`` says (:func:`_token_gates`). A row whose slot is not real gets out = 0 and writes nothing
-    else."""
+    as ``BETA_ROUND`` says (:func:`_token_gates`). ``TOFF``: the call's tokens before this launch's (a call taken in
+    several launches, :func:`.step.step_pool`): the history rows after each token are TOFF + 1 .., the count
+    TOFF + T, and the start and row 0 are the first launch's. A row whose slot is not real gets out = 0 and writes
+    nothing else."""
     i_n, i_hv = tl.program_id(0), tl.program_id(1)
     i_n64 = i_n.to(tl.int64)
     o_k, o_v, o_l, o_c = tl.arange(0, K), tl.arange(0, V), tl.arange(0, BL), tl.arange(0, 16)
@@ -294,9 +296,10 @@ def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf
     p_cd, p_skv, p_uq, p_kb, p_ub, p_w, p_pc, p_gb = _pair_pointers(codes, skv, uq, kbuf, ubuf, w, pcum, gbuf,
                                                                      o_reg, i_sh, K, V, L, IS_KDA)
     if HIST:  # before the codes are in registers: nothing else is live here
-        tl.store(hstart + i_sh, tl.load(hcnt + i_sh))
-        tl.store(hcount + i_sh, T)
-        _history(hpcum, hw, p_pc, p_w, i_sh, 0, o_k, o_l, K, L, HT, IS_KDA)
+        if TOFF == 0:  # the call's first launch: its start and the state before it
+            tl.store(hstart + i_sh, tl.load(hcnt + i_sh))
+            _history(hpcum, hw, p_pc, p_w, i_sh, 0, o_k, o_l, K, L, HT, IS_KDA)
+        tl.store(hcount + i_sh, TOFF + T)
     # the codes first: the largest load, and it depends on nothing but the slot; read once for every token
     b_cd = tl.load(p_cd)
     for t in range(T):  # a loop, not unrolled: unrolled, T tokens keep T bodies live (KBs of spills)
@@ -351,7 +354,7 @@ def leapquant_step_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, ubuf
         # the next token (and the history) reads what this one stored
         tl.debug_barrier()
         if HIST:
-            _history(hpcum, hw, p_pc, p_w, i_sh, t + 1, o_k, o_l, K, L, HT, IS_KDA)
+            _history(hpcum, hw, p_pc, p_w, i_sh, TOFF + t + 1, o_k, o_l, K, L, HT, IS_KDA)
 
 
 @triton.jit
@@ -362,7 +365,7 @@ def leapquant_step_fma_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, 
                               L: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BV: tl.constexpr,
                               IS_KDA: tl.constexpr, USE_QK_L2NORM: tl.constexpr, NATIVE: tl.constexpr,
                               HIST: tl.constexpr, HT: tl.constexpr, T: tl.constexpr, PACKED: tl.constexpr,
-                              BETA_ROUND: tl.constexpr):
+                              BETA_ROUND: tl.constexpr, TOFF: tl.constexpr):
     """:func:`leapquant_step_kernel` without tensor cores, for sm_75 (Triton cannot lower its int8 product there):
     fp32 elementwise products and sums over chunks of BV value channels, one chunk of the codes in registers at a
     time. The same arguments (but ``BV`` for ``BL``), grid and writes."""
@@ -379,9 +382,10 @@ def leapquant_step_fma_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, 
                                                                  i_sh, K, V, L, IS_KDA)
     p_cd = codes + o_reg * 4 + tl.arange(0, BV)[:, None] * K + o_k[None, :]
     if HIST:
-        tl.store(hstart + i_sh, tl.load(hcnt + i_sh))
-        tl.store(hcount + i_sh, T)
-        _history(hpcum, hw, p_pc, p_w, i_sh, 0, o_k, o_l, K, L, HT, IS_KDA)
+        if TOFF == 0:  # the call's first launch: its start and the state before it
+            tl.store(hstart + i_sh, tl.load(hcnt + i_sh))
+            _history(hpcum, hw, p_pc, p_w, i_sh, 0, o_k, o_l, K, L, HT, IS_KDA)
+        tl.store(hcount + i_sh, TOFF + T)
     for t in range(T):  # a loop, not unrolled: unrolled, T tokens keep T bodies live (KBs of spills)
         j, m_old, b_k, b_q, b_beta, b_pc, b_e, b_w, b_gn, b_gs, b_ck, b_cq = _token(
             q + t * sq_t, k + t * sk_t, g + t * sg_t, beta + t * sb_t, hcnt, p_pc, p_w, p_gb, p_kb, i_n64, i_h, i_hv,
@@ -425,4 +429,4 @@ def leapquant_step_fma_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf, 
         # the next token (and the history) reads what this one stored
         tl.debug_barrier()
         if HIST:
-            _history(hpcum, hw, p_pc, p_w, i_sh, t + 1, o_k, o_l, K, L, HT, IS_KDA)
+            _history(hpcum, hw, p_pc, p_w, i_sh, TOFF + t + 1, o_k, o_l, K, L, HT, IS_KDA)

@@ -239,22 +239,29 @@ def test_errors():
         leapquant.accept(plain, idx, torch.tensor([1, 0], dtype=torch.int32))
 
 
-# (gate, T, key heads, kernel, K = V, ring): the Gluon kernel's cases need a GPU (it has no interpreter). KDA T = 8
-# with 4 key heads (seed 28) draws a row whose output cancels: the fp32 reference is 1.9e-5 from both Triton kernels,
-# which agree with each other to 1e-10 (their checkpoint sums are exact); 2 key heads draw other tokens
-TRITON_CASES = [("kda", 3, 2, None, 64, 8), ("gdn", 2, 1, None, 64, 8), ("kda", 2, 4, "fma", 64, 8),
-                ("kda", 4, 2, "gluon", 128, 16), ("gdn", 8, 4, "gluon", 128, 16), ("kda", 8, 2, "gluon", 128, 16)]
+# (gate, T, key heads, kernel, K = V, ring, tokens per launch): the Gluon kernel's cases need a GPU (it has no
+# interpreter); it takes at most 4 tokens a launch, so T = 5, 6 and 8 run as two launches (as the CPU's cases with a
+# smaller bound). KDA T = 8 with 4 key heads (seed 28) draws a row whose output cancels: the fp32 reference is 1.9e-5
+# from both Triton kernels, which agree with each other to 1e-10 (their checkpoint sums are exact); 2 key heads draw
+# other tokens
+TRITON_CASES = [("kda", 3, 2, None, 64, 8, None), ("gdn", 2, 1, None, 64, 8, None), ("kda", 2, 4, "fma", 64, 8, None),
+                ("kda", 3, 2, None, 64, 8, 2), ("gdn", 4, 2, "fma", 64, 8, 3),
+                ("kda", 4, 2, "gluon", 128, 16, None), ("gdn", 8, 4, "gluon", 128, 16, None),
+                ("kda", 8, 2, "gluon", 128, 16, None), ("kda", 5, 2, "gluon", 128, 16, None),
+                ("gdn", 6, 2, "gluon", 128, 16, None), ("kda", 8, 2, "gluon", 128, 16, 8)]
 
 
-@pytest.mark.parametrize("gate,T,H,kernel,dim,L", TRITON_CASES,
-                         ids=[f"{c[0]}-T{c[1]}-{c[3] or 'auto'}" for c in TRITON_CASES])
-def test_triton_tokens_and_accept(gate, T, H, kernel, dim, L):
+@pytest.mark.parametrize("gate,T,H,kernel,dim,L,per_launch", TRITON_CASES,
+                         ids=[f"{c[0]}-T{c[1]}-{c[3] or 'auto'}" + (f"-by{c[6]}" if c[6] else "")
+                              for c in TRITON_CASES])
+def test_triton_tokens_and_accept(gate, T, H, kernel, dim, L, per_launch):
     """The Triton step of T tokens (one launch, the checkpoint read once; the interpreter on a CPU), token by token
     against the reference's one-token step on the state the kernel itself left before that token (its checkpoint, its
     ring entries, its recorded ``pcum`` and ``w``): SPEC §6's criteria per token (``o`` within 1e-5, the new ``ubuf``
     entry within one bf16 ulp, the new ``kbuf`` / ``gbuf`` entries, ``pcum`` and ``w`` as the reference writes them).
     Not against a whole reference call: an entry one ulp apart moves every later token's output by what it
-    contributes (SPEC §6.1). Then ``accept`` leaves the counts of a pool that took only the accepted tokens."""
+    contributes (SPEC §6.1). Then ``accept`` leaves the counts of a pool that took only the accepted tokens.
+    ``per_launch``: the call taken in launches of at most that many tokens, its history as one launch's."""
     pytest.importorskip("triton")
     if kernel == "gluon" and DEVICE == "cpu":
         pytest.skip("the Gluon kernel runs on a GPU only (Gluon has no interpreter)")
@@ -268,7 +275,8 @@ def test_triton_tokens_and_accept(gate, T, H, kernel, dim, L):
     tok = {n: x.to(DEVICE) for n, x in _tokens(pool, idx.numel(), T, H, gen).items()}
     flush_pool(pool, idx, force=T)  # the flush inside, done first: what follows checks the tokens alone
     out = torch.full((idx.numel(), T, pool.heads, pool.head_v), float("nan"), device=DEVICE)
-    step_pool(pool, idx, **tok, scale=pool.head_k ** -0.5, use_qk_l2norm=False, out=out, kernel=kernel)
+    step_pool(pool, idx, **tok, scale=pool.head_k ** -0.5, use_qk_l2norm=False, out=out, kernel=kernel,
+              per_launch=per_launch)
     assert bool((out[1] == 0).all()), "a padding row's output is 0"
     hist, L = pool.history, pool.ring
     rows = idx[idx != 0].long()
@@ -302,6 +310,26 @@ def test_triton_tokens_and_accept(gate, T, H, kernel, dim, L):
     kept = torch.tensor([1, T, 0], device=DEVICE)[:, None]
     want_h = torch.where(kept == 0, start, j0 + kept).int()
     assert torch.equal(pool.hcnt[rows], want_h)
+
+
+def test_launches_of_a_call_are_as_even_as_they_can_be():
+    """A call of T tokens taken in launches of at most ``per_launch`` (the Gluon kernel's 4): as few launches as
+    that allows, sizes differing by at most one, the larger first, covering the tokens in order."""
+    from leapquant_triton.step import _launches
+
+    assert _launches(4, 4) == [(0, 4)]
+    assert _launches(5, 4) == [(0, 3), (3, 2)]
+    assert _launches(6, 4) == [(0, 3), (3, 3)]
+    assert _launches(7, 4) == [(0, 4), (4, 3)]
+    assert _launches(8, 4) == [(0, 4), (4, 4)]
+    assert _launches(8, None) == [(0, 8)]
+    assert _launches(7, 3) == [(0, 3), (3, 2), (5, 2)]
+    for T in range(1, 17):
+        for per in (1, 2, 3, 4, 5, None):
+            got = _launches(T, per)
+            assert [t0 for t0, _ in got] == [sum(n for _, n in got[:i]) for i in range(len(got))]
+            assert sum(n for _, n in got) == T and len(got) == (-(-T // per) if per else 1)
+            assert max(n for _, n in got) - min(n for _, n in got) <= 1
 
 
 def test_a_backend_of_one_token_refuses_several():
