@@ -24,6 +24,8 @@ Cases, one table per gate:
   full);
 * ``decode layer``: the steady state of a ring of L = 16: 1/16 of the heads' rings full (flushed inside the step),
   the others spread evenly over fills 1..15;
+* ``verify T=4 (fill 8)``, ``verify T=8 (fill 8)``: a speculative decoding verify, T draft tokens per row in one
+  ``leapquant.step`` call (SPEC §6.1), every ring holding 7 entries (no flush inside); engine layout only;
 * ``step fill 8 (compact)``, ``decode layer (compact)``: the same on a compact-layout pool (``layout="compact"``)
   holding the same bytes (copied view by view from the engine pool). The floor counts the checkpoint's own bytes,
   ``pool.geometry.checkpoint_bytes`` (codes, scales, factors: 19,456 B at 128 x 128, rank 4), in both layouts: the
@@ -90,6 +92,9 @@ CPU_SWEEP = (1, 2, 4)
 # and issue 36's: a verify of VERIFY_T tokens per row at most 1.6x a one-token step
 VERIFY_T = 4
 VERIFY = f"verify T={VERIFY_T} (fill 8)"
+# and a longer draft (no bound): the Gluon kernel takes it in two launches of four tokens (docs/DESIGN.md)
+VERIFY_LONG_T = 8
+VERIFY_LONG = f"verify T={VERIFY_LONG_T} (fill 8)"
 # step_packed at fill 8 (one launch, the gates in the step kernel; then the gates apart, in a launch of their own)
 PACKED_CASES = ("packed fill 8", "packed fill 8, gates apart")
 # the sweep's small batches as an engine steps them: L steps per sequence, each sequence's rings flushed once
@@ -333,8 +338,9 @@ def leapquant_rows(timer: Timer, s: Setup, backend: str, fills=FILLS, compact: b
             name, step, restorer(s.layer_fills), layer_bytes(pool, s.layer_fills, H), due=due, layout=layout,
             backend=chosen), layout=layout))
         if layout == "engine" and verify:
-            rows.append(_attempt(VERIFY, lambda pool=pool, restorer=restorer: _verify(timer, s, pool, backend,
-                                                                                        restorer), layout=layout))
+            for name, T in ((VERIFY, VERIFY_T), (VERIFY_LONG, VERIFY_LONG_T)):
+                rows.append(_attempt(name, lambda name=name, T=T, pool=pool, restorer=restorer: _verify(
+                    timer, s, pool, backend, restorer, T, name), layout=layout))
             for name, fused in zip(PACKED_CASES, (True, False)):
                 rows.append(_attempt(name, lambda name=name, fused=fused, pool=pool, restorer=restorer: _packed(
                     timer, name, fused, s, pool, backend, restorer), layout=layout))
@@ -401,16 +407,19 @@ def cycle_row(timer: Timer, s: Setup, backend: str) -> dict:
     return row
 
 
-def _verify(timer, s, pool, backend: str, restorer) -> dict:
-    """``VERIFY``: ``VERIFY_T`` draft tokens per row in one call (speculative decoding, SPEC §6.1), every ring holding
-    7 entries (no flush inside); the tokens are the step's, repeated (their values do not change the work)."""
-    B, HV, T = s.idx.numel(), pool.heads, VERIFY_T
+def _verify(timer, s, pool, backend: str, restorer, T: int, name: str) -> dict:
+    """``VERIFY`` / ``VERIFY_LONG``: ``T`` draft tokens per row in one call (speculative decoding, SPEC §6.1), every
+    ring holding 7 entries (no flush inside: T <= 9 at L = 16); the tokens are the step's, repeated (their values do
+    not change the work)."""
+    B, HV = s.idx.numel(), pool.heads
     if not hasattr(leapquant, "accept"):
         raise Unsupported("this tree's step takes one token per row")
+    if 7 + T > pool.ring:
+        raise Unsupported(f"{T} tokens after 7 entries do not fit a ring of {pool.ring}")
     many = [x[:, None].expand(x.shape[0], T, *x.shape[1:]).contiguous() for x in (s.q, s.k, s.v, s.g, s.beta)]
     out = torch.empty(B, T, HV, pool.head_v, dtype=s.out.dtype, device=s.out.device)
     step = lambda: leapquant.step(pool, s.idx, *many, out=out, backend=backend, check=False)  # noqa: E731
-    return timer(VERIFY, step, restorer(torch.full((B, HV), 7)), B * HV * verify_bytes(pool, 7, T, s.key_heads),
+    return timer(name, step, restorer(torch.full((B, HV), 7)), B * HV * verify_bytes(pool, 7, T, s.key_heads),
                  fill=8, tokens=T, layout="engine",
                  backend=leapquant.select(pool, backend, op="step_tokens").name)
 
@@ -455,7 +464,7 @@ def _memory(gate: str, heads: int, head_dim: int, ring: int, rank: int) -> dict 
 
 
 def _planned(with_fla: bool) -> list[str]:
-    return ([f"step fill {f}" for f in FILLS] + ["decode layer", VERIFY, *PACKED_CASES]
+    return ([f"step fill {f}" for f in FILLS] + ["decode layer", VERIFY, VERIFY_LONG, *PACKED_CASES]
             + [f"step fill {f} (compact)" for f in COMPACT_FILLS]
             + ["decode layer (compact)"] + (list(FLA_CASES) if with_fla else []))
 

@@ -83,7 +83,7 @@ def test_host_overhead_smoke(tmp_path):
 
 
 DECODE_CASES = ["step fill 1", "step fill 8", "step fill 15", "decode layer", "verify T=4 (fill 8)",
-                "packed fill 8", "packed fill 8, gates apart", "step fill 8 (compact)", "decode layer (compact)"]
+                "verify T=8 (fill 8)", "packed fill 8", "packed fill 8, gates apart", "step fill 8 (compact)", "decode layer (compact)"]
 BOUNDS_LINE = ("Bounds (issue 38): step fill 8 <= 1.5x its floor; decode layer <= 1.15x step fill 8, <= 0.3x fla fp32, "
                "<= 0.5x fla bf16; verify T=4 (fill 8) <= 1.6x step fill 8.")
 
