@@ -14,7 +14,15 @@ import triton
 from .flush import flush_pool
 from .launcher import Launcher, per_pool
 from .step_kernel import leapquant_step_fma_kernel, leapquant_step_kernel
-from .targets import GLUON_RELEASES, compile_options, device_capability, interpreting, mma_sync_only, triton_release
+from .targets import (
+    GLUON_RELEASES,
+    GLUON_TOKENS_PER_LAUNCH,
+    compile_options,
+    device_capability,
+    interpreting,
+    mma_sync_only,
+    triton_release,
+)
 
 # two warps capped at 128 registers: eight programs per SM, faster than fewer, wider programs (docs/DESIGN.md)
 NUM_WARPS = 2
@@ -26,10 +34,6 @@ FMA_WARPS = 4
 # the Gluon kernel: two warps capped at 128 registers, as the mma kernel (eight programs per SM)
 GLUON_WARPS = 2
 GLUON_MAXNREG = 128
-# the most tokens per row the Gluon kernel takes in one launch: past four its call's tiles spill and its shared
-# memory leaves fewer programs per SM, so a call of more runs as launches of at most four, as even as they can be
-# (T = 5-8 6-17 % faster than in one launch, docs/DESIGN.md)
-GLUON_TOKENS_PER_LAUNCH = 4
 
 
 def uses_fma(capability: int | None) -> bool:
@@ -165,10 +169,10 @@ def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
               kernel: str | None = None, packed: dict | None = None, per_launch: int | None = None) -> None:
     """One decode token per row of ``idx`` (int32 ``[N]``) on ``pool`` in place, ``out`` written (SPEC §6); with
     token tensors of a token axis (``q`` ``[N, T, H, K]``, ..., ``out`` ``[N, T, HV, V]``), T tokens per row (SPEC
-    §6.1: the rings that cannot hold T more flushed first, then the tokens one after the other in one launch, the
-    checkpoint read once per launch), and the pool's history written where it keeps one. ``packed`` (:func:`packed_args`, one
-    token): ``g`` and ``beta`` are ``step_packed``'s raw ``a`` (``[N, HV, K]`` / ``[N, HV]``) and ``b``, the gates
-    computed inside the step kernel.
+    §6.1: the rings that cannot hold T more flushed first, then the tokens one after the other, the checkpoint read
+    once per launch), and the pool's history written where it keeps one. ``packed`` (:func:`packed_args`, one token):
+    ``g`` and ``beta`` are ``step_packed``'s raw ``a`` (``[N, HV, K]`` / ``[N, HV]``) and ``b``, the gates computed
+    inside the step kernel.
 
     Flushes the full rings of ``idx`` first (:func:`.flush.flush_pool`; stream order makes the step see the new
     checkpoints), then launches the step kernel ``kernel`` (default :func:`kernel_for`; the tests run each) on grid

@@ -29,6 +29,10 @@ MIN_TRITON = (3, 5)
 # The Triton releases whose Gluon the decode step's Gluon kernel is written and checked for (its API changes between
 # releases: 3.9 has no ``thread_barrier``); under the others the ``tl`` kernel serves every shape.
 GLUON_RELEASES = ((3, 6),)
+# the most tokens per row the Gluon step kernel takes in one launch: past four its call's tiles spill and its shared
+# memory leaves fewer programs per SM, so a call of more runs as launches of at most four, as even as they can be
+# (T = 5-8 6-17 % faster than in one launch, docs/DESIGN.md)
+GLUON_TOKENS_PER_LAUNCH = 4
 
 
 def step_kernels_note() -> str:
@@ -44,8 +48,8 @@ def step_kernels_note() -> str:
     now = ("taken here" if here in GLUON_RELEASES else
            f"not with Triton {'.'.join(map(str, here)) if here else '(none)'} here: the tl kernel serves every shape")
     return (f"decode step: the Gluon kernel for K = V = 128, ring 16, rank <= 4 on sm_80+ under Triton {gluon} "
-            f"({now}); the tl kernel for the other shapes; sm_75 its FMA kernel; each computes step_packed's gates "
-            "in its prologue")
+            f"({now}; at most {GLUON_TOKENS_PER_LAUNCH} tokens per row a launch, a longer verify in several); the tl "
+            "kernel for the other shapes; sm_75 its FMA kernel; each computes step_packed's gates in its prologue")
 
 
 def triton_release(version: str) -> tuple[int, int]:

@@ -351,6 +351,7 @@ def test_kernel_choice():
     note = step_kernels_note()
     assert ("(taken here)" in note) == (triton_release(triton.__version__) in GLUON_RELEASES), note
     assert "step_packed's gates in its prologue" in note
+    assert "at most 4 tokens per row a launch" in note
     # the interpreter runs no Gluon: there the tl kernel's twin serves every shape
     here = triton_release(triton.__version__) in GLUON_RELEASES and not interpreting()
     assert st.kernel_for(fast, 90) == ("gluon" if here else "mma")
