@@ -159,6 +159,8 @@ def tokens_per_launch(kernel: str) -> int | None:
 def _launches(T: int, per_launch: int | None) -> list[tuple[int, int]]:
     """(first token, tokens) of each launch of a call of ``T`` tokens per row: as few launches as take at most
     ``per_launch`` tokens each (None: one), their sizes as even as can be, the larger first (5 = 3 + 2, 7 = 4 + 3)."""
+    if per_launch is not None and (not isinstance(per_launch, int) or per_launch < 1):
+        raise ValueError(f"per_launch must be a positive int or None, got {per_launch!r}")
     n = -(-T // per_launch) if per_launch else 1
     sizes = [T // n + (i < T % n) for i in range(n)]
     return [(sum(sizes[:i]), m) for i, m in enumerate(sizes)]

@@ -330,6 +330,9 @@ def test_launches_of_a_call_are_as_even_as_they_can_be():
             assert [t0 for t0, _ in got] == [sum(n for _, n in got[:i]) for i in range(len(got))]
             assert sum(n for _, n in got) == T and len(got) == (-(-T // per) if per else 1)
             assert max(n for _, n in got) - min(n for _, n in got) <= 1
+    for bad in (0, -1, 2.0):
+        with pytest.raises(ValueError, match="per_launch"):
+            _launches(4, bad)
 
 
 def test_a_backend_of_one_token_refuses_several():
