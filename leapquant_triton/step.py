@@ -193,12 +193,11 @@ def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     flush_pool(pool, idx, force=T if T > 1 else False)
     launch = _prepared(pool, use_qk_l2norm, kernel)
     tensors = dict(q=q, k=k, v=v, g=g, beta=beta, out=out)
-    for t0, n in _launches(T, per_launch or tokens_per_launch(kernel)) if T > 1 else [(0, 1)]:
-        if T > 1:  # this launch's tokens: a token axis of n, or one token without the axis
-            part = {name: x[:, t0:t0 + n] if n > 1 else x[:, t0] for name, x in tensors.items()}
-        else:
-            part = tensors
+    for t0, n in _launches(T, per_launch or tokens_per_launch(kernel)):
+        # this launch's tokens: a token axis of n, or one token without the axis
+        part = tensors if T == 1 else {name: x[:, t0:t0 + n] if n > 1 else x[:, t0] for name, x in tensors.items()}
         dims = "nth" if n > 1 else "nh"  # the token axis second; one token: no axis, its stride unused
+        # the kernel's stride arguments take the tensors' initials: sq_n, ..., sb_n (beta), so_n (out)
         strides = {f"s{name[0]}_{d}": x.stride(i) for name, x in part.items() for i, d in enumerate(dims)}
         if n == 1:
             strides.update({f"s{name}_t": 0 for name in "qkvgbo"})
