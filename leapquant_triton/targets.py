@@ -48,7 +48,7 @@ def step_kernels_note() -> str:
     now = ("taken here" if here in GLUON_RELEASES else
            f"not with Triton {'.'.join(map(str, here)) if here else '(none)'} here: the tl kernel serves every shape")
     return (f"decode step: the Gluon kernel for K = V = 128, ring 16, rank <= 4 on sm_80+ under Triton {gluon} "
-            f"({now}; at most {GLUON_TOKENS_PER_LAUNCH} tokens per row a launch, a longer verify in several); the tl "
+            f"({now}), at most {GLUON_TOKENS_PER_LAUNCH} tokens per row a launch, a longer verify in several; the tl "
             "kernel for the other shapes; sm_75 its FMA kernel; each computes step_packed's gates in its prologue")
 
 

@@ -338,6 +338,22 @@ def test_cuda_graph_capture():
     assert all(torch.equal(after[n], want[n]) for n in want)
 
 
+@pytest.mark.parametrize("version, taken", [("3.6.0", True), ("3.6.1+git1a2b3c4", True), ("3.9.0", False),
+                                            ("3.5.1", False)])
+def test_kernels_note_says_whether_the_gluon_kernel_is_taken(monkeypatch, version, taken):
+    """`python -m leapquant info`'s line on the step kernels, as each Triton release's metadata makes it: "(taken
+    here)" exactly under the Gluon kernel's releases, else the release named and the tl kernel serving every shape."""
+    import importlib.metadata as md
+    from leapquant_triton.targets import GLUON_TOKENS_PER_LAUNCH, step_kernels_note
+
+    real = md.version
+    monkeypatch.setattr(md, "version", lambda name: version if name == "triton" else real(name))
+    note = step_kernels_note()
+    assert ("(taken here)" in note) is taken, note
+    assert (f"(not with Triton {version[:3]} here: the tl kernel serves every shape)" in note) is (not taken), note
+    assert f"at most {GLUON_TOKENS_PER_LAUNCH} tokens per row a launch" in note
+
+
 def test_kernel_choice():
     """The default step kernel per shape, capability and Triton release (step.kernel_for): the Gluon kernel only for
     128 x 128, ring 16, rank <= 4 on sm_80+ under its releases; sm_75 its FMA kernel; the interpreter the tl kernel.
