@@ -27,6 +27,15 @@ from .targets import (
 # two warps capped at 128 registers: eight programs per SM, faster than fewer, wider programs (docs/DESIGN.md)
 NUM_WARPS = 2
 MAXNREG = 128
+# but the tl kernel at 128 x 128 with a ring of 32 spills 2 KB at two warps; four warps at the same cap spill 310 B
+# and ran 1.42x (KDA) / 1.10x (GDN) faster at fill 16 (docs/DESIGN.md)
+WIDE_RING_WARPS = 4
+
+
+def mma_warps(geometry) -> int:
+    """Warps a program of the ``tl`` (``mma``) step kernel takes for ``geometry``."""
+    g = geometry
+    return WIDE_RING_WARPS if g.head_k == g.head_v == 128 and g.ring > 16 else NUM_WARPS
 # sm_75's kernel: BV x K = FMA_CHUNK codes in registers at a time, 32 fp32 registers per thread at FMA_WARPS warps,
 # the fastest build of that kernel (docs/DESIGN.md)
 FMA_CHUNK = 4096
@@ -95,7 +104,7 @@ def step_build(geometry, first_slot: int, use_qk_l2norm: bool, capability: int |
     if kernel == "fma":
         return leapquant_step_fma_kernel, dict(consts, BV=min(g.head_v, FMA_CHUNK // g.head_k)), \
             compile_options(FMA_WARPS, None)
-    return leapquant_step_kernel, dict(consts, BL=max(g.ring, 16)), compile_options(NUM_WARPS, MAXNREG)
+    return leapquant_step_kernel, dict(consts, BL=max(g.ring, 16)), compile_options(mma_warps(g), MAXNREG)
 
 
 # compiled inside mma_sync_only, as the flush, then launched directly (launcher.py)

@@ -379,6 +379,12 @@ def test_kernel_choice():
         assert st.kernel_for(other, 90) == "mma", other
     with pytest.raises(ValueError, match="K = V = 128, ring 16"):
         st.step_build(Geometry(2, 4, 64, 64, 16, 4, "kda"), 1, False, 90, "gluon")
+    # the tl kernel: two warps, four at 128 x 128 with a ring of 32 (where two spill 2 KB), the same register cap
+    for geo, warps in ((fast, 2), (Geometry(2, 4, 128, 128, 32, 4, "kda"), 4),
+                       (Geometry(2, 4, 128, 128, 32, 1, "gdn"), 4), (Geometry(2, 4, 64, 128, 32, 2, "gdn"), 2),
+                       (Geometry(2, 4, 128, 128, 8, 4, "kda"), 2)):
+        _, _, options = st.step_build(geo, 1, False, 90, "mma")
+        assert (options["num_warps"], options["maxnreg"]) == (warps, 128), geo
     if here or triton_release(triton.__version__) in GLUON_RELEASES:  # the kernel exists: its build's arguments
         fn, consts, options = st.step_build(fast, 1, True, 90, "gluon")
         assert consts["NW"] == options["num_warps"] == 2 and consts["USE_QK_L2NORM"] is True
