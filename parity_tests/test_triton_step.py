@@ -240,6 +240,8 @@ CASES = [
     ("gdn", 128, 128, 16, 3, 2, 2, "vllm", torch.float32, True, "contiguous"),
     ("kda", 128, 64, 32, 1, 2, 2, "vllm", torch.float16, False, "heads_first"),
     ("gdn", 64, 128, 32, 4, 4, 2, "sglang", torch.bfloat16, False, "padded"),
+    # the tl kernel's four-warp build (128 x 128, ring 32)
+    ("kda", 128, 128, 32, 4, 2, 1, "vllm", torch.bfloat16, False, "contiguous"),
 ]
 
 
