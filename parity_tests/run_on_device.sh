@@ -25,7 +25,8 @@ PYTEST_K="${PYTEST_K:-not tilelang_compile and not triton_portability and not te
 # PYTEST_BUDGET=0: the per-regime table only (a short re-check when little device time is left)
 PYTEST_BUDGET="${PYTEST_BUDGET:-450}"
 # pytest processes on the device's 16 cores (pytest-xdist is in its Python): the compiles then run side by side; at
-# 14 the whole suite took 320 s of pytest on the H200 (at 6 it did not finish in 330 s)
+# 14 the whole suite took 320 s of pytest on the H200 (at 6 it did not finish in 330 s); on an H100 400 s left 6 of
+# 511 tests, the longest of them collected last (gpu_suite.LONG_FIRST now starts them first)
 PYTEST_WORKERS="${PYTEST_WORKERS:-14}"
 PYTEST_ARGS=(--pytest-budget "$PYTEST_BUDGET" --workers "$PYTEST_WORKERS" -k "$PYTEST_K")
 [ "$PYTEST_BUDGET" = 0 ] && PYTEST_ARGS=(--skip-pytest)

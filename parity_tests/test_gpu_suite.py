@@ -1,4 +1,5 @@
-"""The GPU suite's reading of pytest's output: a test it misreads would drop out of the committed report."""
+"""The GPU suite's reading of pytest's output (a test it misreads would drop out of the committed report) and the order
+it has pytest run its tests in."""
 
 from .gpu_suite import parse_results
 
@@ -46,3 +47,34 @@ def test_parse_results_reads_both_forms_alike():
         results, failures = parse_results(text)
         assert results == EXPECTED
         assert failures == FAILED
+
+
+def _collected(env_first: str | None) -> list[str]:
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "LEAPQUANT_LONG_FIRST"}
+    if env_first is not None:
+        env["LEAPQUANT_LONG_FIRST"] = env_first
+    files = ["parity_tests/test_core.py", "parity_tests/test_prefill.py", "parity_tests/test_parity.py",
+             "parity_tests/test_triton_step.py"]
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        "-m", "slow or not slow", *files], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return [line for line in r.stdout.splitlines() if "::" in line]
+
+
+def test_long_tests_are_collected_first():
+    """The GPU suite's LONG_FIRST names tests that exist (a renamed test would silently fall back to last), and with
+    them named the collection puts them first, each group in its own order."""
+    from .gpu_suite import LONG_FIRST
+
+    plain = _collected(None)
+    ordered = _collected(",".join(LONG_FIRST))
+    for prefix in LONG_FIRST:
+        assert any(i.startswith(prefix) for i in plain), prefix
+    long = [i for i in plain if i.startswith(LONG_FIRST)]
+    rest = [i for i in plain if not i.startswith(LONG_FIRST)]
+    assert plain[:len(long)] != long  # the files put them elsewhere: the ordering is what moved them
+    assert ordered == long + rest
