@@ -263,7 +263,7 @@ def test_step_packed_is_step(gate, lower_bound, case, backend, fused):
 
 
 @pytest.mark.skipif(not TRITON, reason="the Triton backend is not available here")
-@pytest.mark.parametrize("shape", ["64x64 ring 8", "128x128 ring 16"])
+@pytest.mark.parametrize("shape", ["64x64 ring 8", "128x128 ring 16", "128x128 ring 32"])
 @pytest.mark.parametrize("beta_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("gate,lower_bound", GATES, ids=GATE_IDS)
 def test_fused_gates_are_the_gates_apart(gate, lower_bound, beta_dtype, shape):
@@ -271,9 +271,9 @@ def test_fused_gates_are_the_gates_apart(gate, lower_bound, beta_dtype, shape):
     then the step; ``fused=False``) give the same output and pool bytes, bit for bit, beta rounded to the
     workspace's dtype on both: the kernel's prologue evaluates the gate kernel's operations, each product and sum
     rounded on its own although the step is compiled with FMA contraction on. 128 x 128 with ring 16 is the Gluon
-    kernel's shape on a GPU (the ``tl`` kernel elsewhere), with a ring flushed inside; grouped heads, bf16 tokens, a
-    padding row."""
-    K, L = (64, 8) if shape.startswith("64") else (128, 16)
+    kernel's shape on a GPU (the ``tl`` kernel elsewhere), with a ring flushed inside, and ring 32 the ``tl`` kernel's
+    four-warp build; grouped heads, bf16 tokens, a padding row."""
+    K, L = (64, 8) if shape.startswith("64") else (128, int(shape.split()[-1]))
     H, HV = 1, 2
     pool = _pool(gate, HV, K, K, L, seed=11)
     twin = parity.twin(pool)
