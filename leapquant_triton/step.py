@@ -27,15 +27,9 @@ from .targets import (
 # two warps capped at 128 registers: eight programs per SM, faster than fewer, wider programs (docs/DESIGN.md)
 NUM_WARPS = 2
 MAXNREG = 128
-# but the tl kernel at 128 x 128 with a ring of 32 spills 2 KB at two warps; four warps at the same cap spill 310 B
-# and ran 1.42x (KDA) / 1.10x (GDN) faster at fill 16 (docs/DESIGN.md)
+# but the tl kernel at 128 x 128 with a ring of 32 spills over 2 KB at two warps; four warps at the same cap spill
+# under 1 KB and ran 1.42x (KDA) / 1.10x (GDN) faster at fill 16 (docs/DESIGN.md)
 WIDE_RING_WARPS = 4
-
-
-def mma_warps(geometry) -> int:
-    """Warps a program of the ``tl`` (``mma``) step kernel takes for ``geometry``."""
-    g = geometry
-    return WIDE_RING_WARPS if g.head_k == g.head_v == 128 and g.ring > 16 else NUM_WARPS
 # sm_75's kernel: BV x K = FMA_CHUNK codes in registers at a time, 32 fp32 registers per thread at FMA_WARPS warps,
 # the fastest build of that kernel (docs/DESIGN.md)
 FMA_CHUNK = 4096
@@ -53,6 +47,12 @@ def uses_fma(capability: int | None) -> bool:
 
 
 KERNELS = ("gluon", "mma", "fma")
+
+
+def mma_warps(geometry) -> int:
+    """Warps a program of the ``tl`` (``mma``) step kernel takes for ``geometry``."""
+    g = geometry
+    return WIDE_RING_WARPS if g.head_k == g.head_v == 128 and g.ring > 16 else NUM_WARPS
 
 
 def gluon_kernel():
