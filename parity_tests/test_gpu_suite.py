@@ -1,7 +1,11 @@
 """The GPU suite's reading of pytest's output (a test it misreads would drop out of the committed report) and the order
 it has pytest run its tests in."""
 
-from .gpu_suite import parse_results
+import os
+import subprocess
+import sys
+
+from .gpu_suite import LONG_FIRST, parse_results
 
 # pytest -v in one process, then the same tests as pytest-xdist workers print them (with the test-id line each
 # worker prints before it runs one); ids with brackets and spaces inside the parameters
@@ -50,10 +54,6 @@ def test_parse_results_reads_both_forms_alike():
 
 
 def _collected(env_first: str | None) -> list[str]:
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "LEAPQUANT_LONG_FIRST"}
     if env_first is not None:
         env["LEAPQUANT_LONG_FIRST"] = env_first
@@ -68,8 +68,6 @@ def _collected(env_first: str | None) -> list[str]:
 def test_long_tests_are_collected_first():
     """The GPU suite's LONG_FIRST names tests that exist (a renamed test would silently fall back to last), and with
     them named the collection puts them first, each group in its own order."""
-    from .gpu_suite import LONG_FIRST
-
     plain = _collected(None)
     ordered = _collected(",".join(LONG_FIRST))
     for prefix in LONG_FIRST:
