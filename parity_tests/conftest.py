@@ -28,41 +28,6 @@ settings.register_profile("long", max_examples=200, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
-@pytest.hookimpl(trylast=True)  # after -k and -m have deselected: the positions below count the tests that run
-def pytest_collection_modifyitems(config, items):
-    """``LEAPQUANT_LONG_FIRST=prefix,prefix``: the tests whose node ids start with one of them start first, one in
-    each pytest-xdist process, the others in their order. The GPU suite names its longest tests so that its processes
-    do not end waiting on them one by one."""
-    first = tuple(p for p in os.environ.get("LEAPQUANT_LONG_FIRST", "").split(",") if p)
-    if first:
-        long = [i for i in items if i.nodeid.startswith(first)]
-        rest = [i for i in items if not i.nodeid.startswith(first)]
-        items[:] = spread_first(long, rest, xdist_chunk(config, len(items)))
-
-
-def xdist_chunk(config, n: int) -> int:
-    """How many consecutive tests of the collection pytest-xdist's ``load`` schedule (3.x) hands each process at the
-    start: a quarter of its share, at least 2 (1 in a single process). Long tests placed one chunk apart start on
-    different processes; placed side by side, they went to one process in turn."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers <= 1:
-        return 1
-    cap = config.getoption("maxschedchunk", None) or n
-    return max(min(n // workers // 4, cap), 2)
-
-
-def spread_first(long: list, rest: list, stride: int) -> list:
-    """``long[j]`` at index ``j * stride`` (while ``rest`` fills the gaps; the others after it), ``rest`` in its order
-    in between."""
-    out, rest = [], list(rest)
-    for test in long:
-        out.append(test)
-        take = min(stride - 1, len(rest))
-        out.extend(rest[:take])
-        del rest[:take]
-    return out + rest
-
-
 def devices() -> list[str]:
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

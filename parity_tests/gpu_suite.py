@@ -82,20 +82,12 @@ def pytest_processes(requested: int) -> int:
     return requested if requested > 1 and importlib.util.find_spec("xdist") is not None else 1
 
 
-# the suite's longest tests on a GPU, started first (conftest.py's LEAPQUANT_LONG_FIRST): at 14 processes on an H100,
-# FLA's first compiles in the prefill round trips (29-92 s), the TileLang and Triton flushes' SPEC §4 check (73, 28 s)
-# and the random-fill step (34 s); collected last, they were what a full run still waited on at 400 s
-LONG_FIRST = ("parity_tests/test_prefill.py::test_round_trip_within_the_simulation_error",
-              "parity_tests/test_parity.py::test_flush_meets_spec",
-              "parity_tests/test_triton_step.py::test_step_random_fills")
-
-
 def run_pytest(out: Path, profile: str, keyword: str, budget: float, workers: int = 1) -> tuple[int, dict, list[str]]:
     """pytest in verbose mode, streamed to ``out/pytest.log`` and parsed line by line, so that a run stopped by its
     ``budget`` (seconds) still reports every test it finished; in ``workers`` processes (:func:`pytest_processes`),
     which run the tests side by side on the machine's cores. Returns (exit code, counts per property, failures)."""
     log = out / "pytest.log"
-    env = dict(os.environ, HYPOTHESIS_PROFILE=profile, LEAPQUANT_LONG_FIRST=",".join(LONG_FIRST))
+    env = dict(os.environ, HYPOTHESIS_PROFILE=profile)
     # every test, the slow ones too (the default run leaves them out: pyproject.toml)
     cmd = [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=20", "-p", "no:cacheprovider",
            "-m", "slow or not slow", "parity_tests"]

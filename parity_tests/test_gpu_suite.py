@@ -1,11 +1,6 @@
-"""The GPU suite's reading of pytest's output (a test it misreads would drop out of the committed report) and the order
-it has pytest run its tests in."""
+"""The GPU suite's reading of pytest's output: a test it misreads would drop out of the committed report."""
 
-import os
-import subprocess
-import sys
-
-from .gpu_suite import LONG_FIRST, parse_results
+from .gpu_suite import parse_results
 
 # pytest -v in one process, then the same tests as pytest-xdist workers print them (with the test-id line each
 # worker prints before it runs one); ids with brackets and spaces inside the parameters
@@ -51,47 +46,3 @@ def test_parse_results_reads_both_forms_alike():
         results, failures = parse_results(text)
         assert results == EXPECTED
         assert failures == FAILED
-
-
-def _collected(env_first: str | None, workers: int | None = None, keyword: str = "") -> list[str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("LEAPQUANT_LONG_FIRST", "PYTEST_XDIST_WORKER_COUNT")}
-    if env_first is not None:
-        env["LEAPQUANT_LONG_FIRST"] = env_first
-    if workers is not None:
-        env["PYTEST_XDIST_WORKER_COUNT"] = str(workers)  # what pytest-xdist sets in each of its processes
-    files = ["parity_tests/test_core.py", "parity_tests/test_prefill.py", "parity_tests/test_parity.py",
-             "parity_tests/test_triton_step.py"]
-    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-                        "-m", "slow or not slow", *(["-k", keyword] if keyword else []), *files], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-    return [line for line in r.stdout.splitlines() if "::" in line]
-
-
-def test_long_tests_are_collected_first():
-    """The GPU suite's LONG_FIRST names tests that exist (a renamed test would silently fall back to last), and with
-    them named the collection puts them first, each group in its own order."""
-    plain = _collected(None)
-    ordered = _collected(",".join(LONG_FIRST))
-    for prefix in LONG_FIRST:
-        assert any(i.startswith(prefix) for i in plain), prefix
-    long = [i for i in plain if i.startswith(LONG_FIRST)]
-    rest = [i for i in plain if not i.startswith(LONG_FIRST)]
-    assert plain[:len(long)] != long  # the files put them elsewhere: the ordering is what moved them
-    assert ordered == long + rest
-
-
-def test_long_tests_start_one_per_xdist_process():
-    """Under pytest-xdist's ``load`` schedule each of W processes first takes a block of max(n // W // 4, 2)
-    consecutive tests of the n selected; the long tests lead one block each (side by side, one process ran them all in
-    turn), counted after -k's deselection."""
-    keyword = "not test_bad"
-    plain = _collected(None, keyword=keyword)
-    ordered = _collected(",".join(LONG_FIRST), workers=14, keyword=keyword)
-    assert sorted(ordered) == sorted(plain) and not any("test_bad" in i for i in plain)
-    chunk = max(len(plain) // 14 // 4, 2)
-    long = [i for i in plain if i.startswith(LONG_FIRST)]
-    assert len(long) > 1 and chunk > 1
-    assert [ordered[j * chunk] for j in range(len(long))] == long
-    rest = [i for i in plain if not i.startswith(LONG_FIRST)]
-    assert [i for i in ordered if not i.startswith(LONG_FIRST)] == rest
