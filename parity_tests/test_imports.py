@@ -132,3 +132,16 @@ def test_the_core_is_a_leaf_of_the_pool():
             todo.extend(g[m])
     assert "leapquant.pool" not in below
     assert {"leapquant.geometry", "leapquant.formulas", "leapquant.checks", "leapquant.registry"} <= below
+
+
+def test_public_names_are_in_all():
+    """Every public function and class the package's ``__init__`` binds is in ``__all__`` (``accept`` once was not:
+    ``from leapquant import *`` left it out), and every name of ``__all__`` exists."""
+    import inspect
+
+    import leapquant
+
+    public = {n for n, o in vars(leapquant).items() if not n.startswith("_") and not inspect.ismodule(o)}
+    assert public <= set(leapquant.__all__), sorted(public - set(leapquant.__all__))
+    assert all(hasattr(leapquant, n) for n in leapquant.__all__)
+    assert "accept" in leapquant.__all__
