@@ -3,10 +3,10 @@
     import leapquant
     pool = leapquant.Pool(num_slots=257, heads=32, gate="kda", device="cuda")   # slot 0: the null slot
     pool.load_states(slots, state, state_v_first=False)   # a prefill's fp32 state [N, HV, K, V] into its slots
-    o = leapquant.step(pool, idx, q, k, v, g, beta)       # one decode token: full rings flushed, the output returned
+    o = leapquant.step(pool, idx, q, k, v, g, beta)       # one decode token (q [B, H, K]) or T draft tokens
+                                                          # (q [B, T, H, K]): full rings flushed, the output returned
+    leapquant.accept(pool, idx, num_accepted)             # keep the first num_accepted[b] drafts (int32 [B])
     o = leapquant.step_packed(pool, idx, mixed_qkv, a, b, A_log=A_log, dt_bias=dt_bias)  # vLLM's packed decode call
-    o = leapquant.step(pool, idx, q, k, v, g, beta)       # q [B, T, H, K]...: T draft tokens (speculative decoding)
-    leapquant.accept(pool, idx, num_accepted)             # keep the first num_accepted[b] of them (int32 [B])
     pool.copy_slots(src, dst)                             # a prefix's slots into others' (prefix caching)
     leapquant.flush(pool, idx)                            # the flush alone (in place; idx int32 [N])
     state = pool.states(slots, state_v_first=False)       # the states back, for a prefill that continues them
