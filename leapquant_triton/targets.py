@@ -41,12 +41,20 @@ def step_kernels_note() -> str:
     import importlib.metadata as md
 
     try:
-        here = triton_release(md.version("triton"))
-    except (md.PackageNotFoundError, ValueError):
+        version = md.version("triton")
+    except md.PackageNotFoundError:
+        version = None
+    try:
+        here = triton_release(version) if version else None
+    except ValueError:  # a version string of another form: named as it is
         here = None
     gluon = " / ".join(".".join(map(str, r)) for r in GLUON_RELEASES)
-    now = ("taken here" if here in GLUON_RELEASES else
-           f"not with Triton {'.'.join(map(str, here)) if here else '(none)'} here: the tl kernel serves every shape")
+    if version is None:  # no Triton kernel runs at all: the backend says so in its status
+        now = "Triton is not installed here"
+    elif here in GLUON_RELEASES:
+        now = "taken here"
+    else:
+        now = f"not with Triton {'.'.join(map(str, here)) if here else version} here: the tl kernel serves every shape"
     return (f"decode step: the Gluon kernel for K = V = 128, ring 16, rank <= 4 on sm_80+ under Triton {gluon} "
             f"({now}), at most {GLUON_TOKENS_PER_LAUNCH} tokens per row a launch, a longer verify in several; the tl "
             "kernel for the other shapes; sm_75 its FMA kernel; each computes step_packed's gates in its prologue")

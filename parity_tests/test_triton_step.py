@@ -356,6 +356,24 @@ def test_kernels_note_says_whether_the_gluon_kernel_is_taken(monkeypatch, versio
     assert f"at most {GLUON_TOKENS_PER_LAUNCH} tokens per row a launch" in note
 
 
+def test_kernels_note_without_triton(monkeypatch):
+    """Without Triton installed the note says so, and names no release and no kernel serving anything here."""
+    import importlib.metadata as md
+    from leapquant_triton.targets import step_kernels_note
+
+    real = md.version
+
+    def version(name):
+        if name == "triton":
+            raise md.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(md, "version", version)
+    note = step_kernels_note()
+    assert "(Triton is not installed here)" in note, note
+    assert "taken here" not in note and "serves every shape" not in note, note
+
+
 def test_kernel_choice():
     """The default step kernel per shape, capability and Triton release (step.kernel_for): the Gluon kernel only for
     128 x 128, ring 16, rank <= 4 on sm_80+ under its releases; sm_75 its FMA kernel; the interpreter the tl kernel.
