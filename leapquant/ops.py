@@ -1,8 +1,9 @@
-"""The public operations: ``flush`` and ``step`` (in place on a pool), ``run`` (a functional flush), ``select`` (which
-backend runs one), and the ``torch.library`` ops behind ``flush`` and ``step``.
+"""The public operations: ``flush``, ``step`` and ``accept`` (in place on a pool), ``run`` (a functional flush),
+``select`` (which backend runs one), and the ``torch.library`` ops behind them.
 
-Under ``torch.compile``, ``flush`` goes through the custom op ``leapquant::flush``, which declares the pool tensors it
-mutates and has a fake implementation, so the compiled graph holds one opaque op. In eager code (and under CUDA-graph
+Under ``torch.compile``, ``flush`` goes through the custom op ``leapquant::flush`` (``step``: ``leapquant::step``, or
+``leapquant::step_tokens`` for T > 1 tokens a row; ``accept``: ``leapquant::accept``), which declares the pool tensors
+it mutates and has a fake implementation, so the compiled graph holds one opaque op. In eager code (and under CUDA-graph
 capture) it calls the backend directly: the custom op's Python dispatch of a mutating op costs more host time than a
 sparse flush takes on the GPU (bench/results/host_overhead_h200.md). Either way the backend runs with the pool's GPU
 as the current device (:func:`leapquant.registry.launch`).
@@ -19,7 +20,7 @@ from .backends import Backend
 from .checks import (POOL_BASE, check_hcnt, check_idx, check_idx_layout, check_in_storage, check_pool_values,
                      check_run_inputs, check_scale, check_step_inputs, check_step_memory, check_step_values, gate_form,
                      token_rows)
-from .pool import Pool
+from .pool import History, Pool
 from .registry import launch, resolve
 
 BackendName = Literal["auto", "reference", "triton", "tilelang"] | str
@@ -165,12 +166,8 @@ def step(pool: Pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     check_idx_layout(pool, idx)
     B = idx.numel()
     T = _tokens_per_row(q, B)
-    if T > 1 or num_accepted is not None:
-        if torch.compiler.is_compiling():
-            raise NotImplementedError("leapquant.step with T > 1 tokens per row or num_accepted runs eagerly (and "
-                                      "under CUDA graphs), not inside torch.compile")
-        if num_accepted is not None:
-            accept(pool, idx, num_accepted, check=check, backend=backend)
+    if num_accepted is not None:
+        accept(pool, idx, num_accepted, check=check, backend=backend)
     if T > 1:
         return _step_tokens(pool, idx, T, q, k, v, g, beta, scale, use_qk_l2norm, out, backend, check)
     eager = not torch.compiler.is_compiling()  # compiled, the op checks the pool and the values when it runs
@@ -220,7 +217,9 @@ def _step_tokens(pool: Pool, idx, T: int, q, k, v, g, beta, scale, use_qk_l2norm
         raise ValueError(f"the pool keeps history for {pool.history.max_tokens} tokens per row (Pool(max_tokens=...)),"
                          f" got T = {T}")
     B = idx.numel()
-    _check_call(pool, idx, check)
+    eager = not torch.compiler.is_compiling()  # compiled, the op checks the pool, memory and values when it runs
+    if eager:
+        _check_call(pool, idx, check)
     gdims = 4 if pool.gate == "kda" else 3
     named = dict(q=(q, 4), k=(k, 4), v=(v, 4), g=(g, gdims), beta=(beta, 3))
     if out is not None:
@@ -235,11 +234,23 @@ def _step_tokens(pool: Pool, idx, T: int, q, k, v, g, beta, scale, use_qk_l2norm
     for t in range(T):  # each token's tensors as one token's: shapes, dtypes, strides, memory, values
         tok = [x[:, t] for x in (q, k, v, g, beta)] + [None if out is None else out[:, t]]
         check_step_inputs(pool, *tok)
-        _check_step(pool, idx, *tok, check)
+        if eager:
+            _check_step(pool, idx, *tok, check)
     if out is None:
         out = torch.empty(B, T, pool.heads, pool.head_v, dtype=q.dtype, device=pool.device)
-    launch(pool, resolve(backend, pool, "step_tokens").step, idx, q, k, v, g, beta, scale, bool(use_qk_l2norm), out)
+    if eager:
+        launch(pool, resolve(backend, pool, "step_tokens").step, idx, q, k, v, g, beta, scale, bool(use_qk_l2norm),
+               out)
+    else:
+        torch.ops.leapquant.step_tokens(*op_args(pool, idx, backend)[:-1], *_history_args(pool), q, k, v, g, beta,
+                                        out, scale, bool(use_qk_l2norm), backend, check=bool(check),
+                                        layout=pool.layout)
     return out
+
+
+def _history_args(pool: Pool) -> tuple:
+    """The history's tensors as the custom ops take them (``start, count, pcum, w``; None where the pool keeps none)."""
+    return pool.history.tensors() if pool.history is not None else (None,) * 4
 
 
 def accept(pool: Pool, idx: torch.Tensor, num_accepted: torch.Tensor, check: bool = True,
@@ -277,7 +288,17 @@ def accept(pool: Pool, idx: torch.Tensor, num_accepted: torch.Tensor, check: boo
                          f"{num_accepted.dtype} {list(num_accepted.shape)}")
     if num_accepted.device != pool.device:
         raise ValueError(f"num_accepted is on {num_accepted.device}, the pool on {pool.device}")
+    if torch.compiler.is_compiling():  # the op checks the pool and the values when it runs
+        torch.ops.leapquant.accept(*op_args(pool, idx, backend)[:-1], *hist.tensors(), num_accepted, backend,
+                                   check=bool(check), layout=pool.layout)
+        return
     _check_call(pool, idx, check)
+    _accept(pool, idx, num_accepted, check, backend)
+
+
+def _accept(pool: Pool, idx: torch.Tensor, num_accepted: torch.Tensor, check: bool, backend: BackendName) -> None:
+    """:func:`accept` after its checks of the arguments' forms and of the pool: the values' check, the backend."""
+    hist = pool.history
     if idx.numel() == 0:
         return
     if check:
@@ -385,6 +406,42 @@ def _run_step_op(pool: Pool, a: dict) -> None:
 _step_op = _custom_op(
     "step", _POOL_PARAMS + _STEP_PARAMS + _TAIL_PARAMS, ("raw", "kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt", "out"),
     _run_step_op)
+
+# a pool's history (SPEC §6.1), after the pool's own tensors: None where the pool keeps none
+_HISTORY_PARAMS = (("hstart", "Tensor?"), ("hcount", "Tensor?"), ("hpcum", "Tensor?"), ("hw", "Tensor?"))
+
+
+def _with_history(pool: Pool, a: dict) -> None:
+    if a["hstart"] is not None:
+        # not through Pool.__setattr__: the pool's layout check covers its own tensors, History.from_tensors these
+        object.__setattr__(pool, "history", History.from_tensors(pool, a["hstart"], a["hcount"], a["hpcum"], a["hw"]))
+
+
+def _run_step_tokens_op(pool: Pool, a: dict) -> None:
+    _with_history(pool, a)
+    check_scale(a["scale"])
+    q, k, v, g, beta, out = (a[n] for n in ("q", "k", "v", "g", "beta", "out"))
+    for t in range(q.shape[1]):
+        _check_step(pool, a["idx"], q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], out[:, t], a["check"])
+    launch(pool, resolve(a["backend"], pool, "step_tokens").step, a["idx"], q, k, v, g, beta, a["scale"],
+           a["use_qk_l2norm"], out)
+
+
+_step_tokens_op = _custom_op(
+    "step_tokens", _POOL_PARAMS + _HISTORY_PARAMS + _STEP_PARAMS + _TAIL_PARAMS,
+    ("raw", "kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt", "hstart", "hcount", "hpcum", "hw", "out"), _run_step_tokens_op)
+
+
+def _run_accept_op(pool: Pool, a: dict) -> None:
+    _with_history(pool, a)
+    if pool.history is None:
+        raise ValueError("leapquant::accept needs the pool's history tensors")
+    _accept(pool, a["idx"], a["num_accepted"], a["check"], a["backend"])
+
+
+_accept_op = _custom_op(
+    "accept", _POOL_PARAMS + _HISTORY_PARAMS + (("num_accepted", "Tensor"),) + _TAIL_PARAMS,
+    ("w", "pcum", "gbuf", "hcnt", "hcount"), _run_accept_op)
 
 
 def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0, backend: BackendName = "auto", iters: int = 1):

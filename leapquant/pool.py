@@ -103,6 +103,37 @@ class History:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.start, self.count, self.pcum, self.w))
 
+    def tensors(self) -> tuple:
+        """``(start, count, pcum, w)``, the order the custom ops and :meth:`from_tensors` take them in."""
+        return self.start, self.count, self.pcum, self.w
+
+    @classmethod
+    def from_tensors(cls, pool: "Pool", start, count, pcum, w) -> "History":
+        """A history of ``pool`` over existing tensors (no copy), as the custom ops rebuild one: each tensor's type,
+        dtype, shape, device and contiguity checked against the pool (no synchronisation), else a ValueError or
+        TypeError naming it."""
+        NS, HV, L = pool.num_slots, pool.heads, pool.ring
+        if not isinstance(pcum, torch.Tensor) or pcum.dim() != 4:
+            raise ValueError(f"the history's pcum must be a 4-D tensor [NS, HV, T + 1, {pool.pcum.shape[-1]}], got "
+                             f"{type(pcum).__name__} {list(getattr(pcum, 'shape', []))}")
+        T1 = pcum.shape[2]
+        if not 2 <= T1 - 1 <= L // 2:
+            raise ValueError(f"the history's pcum keeps T + 1 = {T1} rows; T must lie in 2..L/2 = {L // 2}")
+        want = {"start": (start, torch.int32, (NS, HV)), "count": (count, torch.int32, (NS, HV)),
+                "pcum": (pcum, torch.float32, (NS, HV, T1, pool.pcum.shape[-1])),
+                "w": (w, torch.float32, (NS, HV, T1, L))}
+        for name, (t, dtype, shape) in want.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"the history's {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != dtype or tuple(t.shape) != shape or t.device != pool.device or not t.is_contiguous():
+                raise ValueError(f"the history's {name} must be a contiguous {dtype} tensor {list(shape)} on "
+                                 f"{pool.device}, got {t.dtype} {list(t.shape)} on {t.device}"
+                                 f"{'' if t.is_contiguous() else ', not contiguous'}")
+        hist = cls.__new__(cls)
+        hist.max_tokens = T1 - 1
+        hist.start, hist.count, hist.pcum, hist.w = start, count, pcum, w
+        return hist
+
 
 class Pool:
     """Caller-owned state pool for ``num_slots`` sequence slots of ``heads`` heads each.

@@ -174,6 +174,64 @@ def test_step_num_accepted_is_accept_then_step():
     assert _read_bytes_equal(pool, other) == []
 
 
+@pytest.mark.parametrize("gate,T,backend", [("kda", 3, "reference"), ("gdn", 2, "reference"), ("kda", 2, "triton")])
+def test_tokens_and_accept_under_torch_compile(gate, T, backend):
+    """A T-token step, ``accept`` and ``step(..., num_accepted=)`` compile with fullgraph=True (the custom ops
+    leapquant::step_tokens and leapquant::accept, which declare the history they write) and give the eager calls'
+    outputs, pool bytes and history; with ``check=True`` a value out of range raises inside the compiled call."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    made, gen = _pool(gate, T, seed=50 + T)
+    pool, other = _twin(made, DEVICE), _twin(made, DEVICE)
+    idx = torch.tensor([2, 0, 5, 1], dtype=torch.int32, device=DEVICE)
+    first, second = ({name: t.to(DEVICE) for name, t in _tokens(made, idx.numel(), T, 2, gen).items()}
+                     for _ in range(2))
+    n = torch.tensor([1, 0, T, 0], dtype=torch.int32, device=DEVICE)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def compiled(tok, n, again):
+        o1 = leapquant.step(pool, idx, **tok, backend=backend, check=False)
+        leapquant.accept(pool, idx, n, check=False, backend=backend)
+        o2 = leapquant.step(pool, idx, **again, num_accepted=n, backend=backend, check=False)
+        return o1, o2
+
+    got = compiled(first, n, second)
+    want = (leapquant.step(other, idx, **first, backend=backend),)
+    leapquant.accept(other, idx, n, backend=backend)
+    want += (leapquant.step(other, idx, **second, num_accepted=n, backend=backend),)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert _read_bytes_equal(pool, other) == []
+    for name in ("start", "count", "pcum", "w"):
+        assert torch.equal(getattr(pool.history, name), getattr(other.history, name)), name
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def checked(n):
+        leapquant.accept(pool, idx, n, backend=backend)
+
+    with pytest.raises(ValueError, match="outside 0 .. T"):
+        checked(torch.tensor([T + 1, 0, 0, 0], dtype=torch.int32, device=DEVICE))
+
+
+def test_history_from_tensors_checks_each_tensor():
+    """How the custom ops rebuild a pool's history: the tensors taken as they are, each one's form checked against
+    the pool, a wrong one named."""
+    from leapquant.pool import History
+
+    pool, _ = _pool("kda", 3)
+    start, count, pcum, w = pool.history.tensors()
+    hist = History.from_tensors(pool, start, count, pcum, w)
+    assert hist.max_tokens == 3 and hist.pcum is pcum and hist.w is w
+    with pytest.raises(ValueError, match="history's count must be a contiguous torch.int32"):
+        History.from_tensors(pool, start, count.long(), pcum, w)
+    with pytest.raises(ValueError, match="history's w must be"):
+        History.from_tensors(pool, start, count, pcum, w[:, :, :3])
+    with pytest.raises(ValueError, match="T must lie in 2..L/2 = 4"):
+        History.from_tensors(pool, start, count, pcum[:, :, :2], w[:, :, :2])
+    with pytest.raises(TypeError, match="history's start must be a torch.Tensor"):
+        History.from_tensors(pool, None, count, pcum, w)
+
+
 def test_accept_leaves_padding_and_unnamed_slots():
     """Rows that name no real slot, and slots no row names, keep every byte."""
     pool, gen = _pool("gdn", 2, seed=4)
