@@ -231,11 +231,10 @@ def _step_tokens(pool: Pool, idx, T: int, q, k, v, g, beta, scale, use_qk_l2norm
             raise ValueError(f"{name} must be [B, T, ...] with B = {B} rows and T = {T} tokens (as q) and {dims} "
                              f"dimensions, got {list(t.shape)}" + (gate_form(pool.gate) if name == "g" else ""))
     scale = check_scale(pool.head_k ** -0.5 if scale is None else scale)
-    for t in range(T):  # each token's tensors as one token's: shapes, dtypes, strides, memory, values
-        tok = [x[:, t] for x in (q, k, v, g, beta)] + [None if out is None else out[:, t]]
-        check_step_inputs(pool, *tok)
-        if eager:
-            _check_step(pool, idx, *tok, check)
+    for t in range(T):  # each token's tensors as one token's: shapes, dtypes, strides
+        check_step_inputs(pool, *(x[:, t] for x in (q, k, v, g, beta)), None if out is None else out[:, t])
+    if eager:
+        _check_tokens(pool, idx, q, k, v, g, beta, out, check)
     if out is None:
         out = torch.empty(B, T, pool.heads, pool.head_v, dtype=q.dtype, device=pool.device)
     if eager:
@@ -246,6 +245,13 @@ def _step_tokens(pool: Pool, idx, T: int, q, k, v, g, beta, scale, use_qk_l2norm
                                         out, scale, bool(use_qk_l2norm), backend, check=bool(check),
                                         layout=pool.layout)
     return out
+
+
+def _check_tokens(pool: Pool, idx: torch.Tensor, q, k, v, g, beta, out, check: bool) -> None:
+    """:func:`_check_step` for each token of a T-token call: memory, and with ``check`` the values."""
+    for t in range(q.shape[1]):
+        _check_step(pool, idx, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], None if out is None else out[:, t],
+                    check)
 
 
 def _history_args(pool: Pool) -> tuple:
@@ -421,8 +427,7 @@ def _run_step_tokens_op(pool: Pool, a: dict) -> None:
     _with_history(pool, a)
     check_scale(a["scale"])
     q, k, v, g, beta, out = (a[n] for n in ("q", "k", "v", "g", "beta", "out"))
-    for t in range(q.shape[1]):
-        _check_step(pool, a["idx"], q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], out[:, t], a["check"])
+    _check_tokens(pool, a["idx"], q, k, v, g, beta, out, a["check"])
     launch(pool, resolve(a["backend"], pool, "step_tokens").step, a["idx"], q, k, v, g, beta, a["scale"],
            a["use_qk_l2norm"], out)
 
