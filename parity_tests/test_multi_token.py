@@ -80,7 +80,7 @@ def _read_bytes_equal(a, b) -> list[str]:
     L = a.ring
     # a full ring is read whole (by its flush); a flushed one (count L, the state a flush leaves) not at all
     j = torch.where((a.hcnt >= L) & ring_empty(a.w, a.pcum, a.gate), torch.zeros_like(a.hcnt), a.hcnt)
-    live = torch.arange(L) < j[..., None]
+    live = torch.arange(L, device=j.device) < j[..., None]
     for n in ("kbuf", "ubuf", "gbuf"):
         x, y = getattr(a, n), getattr(b, n)
         if x is not None and not torch.equal(x[live], y[live]):
