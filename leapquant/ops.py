@@ -233,13 +233,12 @@ def _step_tokens(pool: Pool, idx, T: int, q, k, v, g, beta, scale, use_qk_l2norm
     scale = check_scale(pool.head_k ** -0.5 if scale is None else scale)
     for t in range(T):  # each token's tensors as one token's: shapes, dtypes, strides
         check_step_inputs(pool, *(x[:, t] for x in (q, k, v, g, beta)), None if out is None else out[:, t])
-    if eager:
+    if eager:  # the memory checks see out as the caller gave it (None: the step allocates it)
         _check_tokens(pool, idx, q, k, v, g, beta, out, check)
     if out is None:
         out = torch.empty(B, T, pool.heads, pool.head_v, dtype=q.dtype, device=pool.device)
     if eager:
-        launch(pool, resolve(backend, pool, "step_tokens").step, idx, q, k, v, g, beta, scale, bool(use_qk_l2norm),
-               out)
+        _launch_tokens(pool, idx, q, k, v, g, beta, scale, bool(use_qk_l2norm), out, backend)
     else:
         torch.ops.leapquant.step_tokens(*op_args(pool, idx, backend)[:-1], *_history_args(pool), q, k, v, g, beta,
                                         out, scale, bool(use_qk_l2norm), backend, check=bool(check),
@@ -252,6 +251,12 @@ def _check_tokens(pool: Pool, idx: torch.Tensor, q, k, v, g, beta, out, check: b
     for t in range(q.shape[1]):
         _check_step(pool, idx, q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], None if out is None else out[:, t],
                     check)
+
+
+def _launch_tokens(pool: Pool, idx: torch.Tensor, q, k, v, g, beta, scale: float, use_qk_l2norm: bool, out,
+                   backend: BackendName) -> None:
+    """The backend's T-token step, the call checked: what the eager call and the op ``leapquant::step_tokens`` run."""
+    launch(pool, resolve(backend, pool, "step_tokens").step, idx, q, k, v, g, beta, scale, use_qk_l2norm, out)
 
 
 def _history_args(pool: Pool) -> tuple:
@@ -428,8 +433,7 @@ def _run_step_tokens_op(pool: Pool, a: dict) -> None:
     check_scale(a["scale"])
     q, k, v, g, beta, out = (a[n] for n in ("q", "k", "v", "g", "beta", "out"))
     _check_tokens(pool, a["idx"], q, k, v, g, beta, out, a["check"])
-    launch(pool, resolve(a["backend"], pool, "step_tokens").step, a["idx"], q, k, v, g, beta, a["scale"],
-           a["use_qk_l2norm"], out)
+    _launch_tokens(pool, a["idx"], q, k, v, g, beta, a["scale"], a["use_qk_l2norm"], out, a["backend"])
 
 
 _step_tokens_op = _custom_op(
