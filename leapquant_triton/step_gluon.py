@@ -40,6 +40,10 @@ QMAX = gl.constexpr(constants.QMAX)
 PNMIN = gl.constexpr(constants.PNMIN)
 SOFTPLUS_THRESHOLD = gl.constexpr(constants.SOFTPLUS_THRESHOLD)
 L2NORM_EPS = gl.constexpr(1e-6)
+# a CTA barrier: thread_barrier until Triton 3.6, barrier from 3.7
+_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+# cp.async into shared memory: async_copy_global_to_shared until 3.7, async_load from 3.8
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 
 @gluon.jit
@@ -115,8 +119,8 @@ def _stage(buf, p, SHIFT: gl.constexpr, j, L: gl.constexpr, K: gl.constexpr, cp:
     entries at or past j (less SHIFT) not read (zero-filled)."""
     o_l = gl.arange(0, L, layout=gl.SliceLayout(1, cp))
     o_k = gl.arange(0, K, layout=gl.SliceLayout(0, cp))
-    async_copy.async_copy_global_to_shared(buf, p + (o_l[:, None] + SHIFT) * K + o_k[None, :],
-                                           mask=(o_l + SHIFT < j)[:, None] & (o_k < K)[None, :])
+    _async_load(buf, p + (o_l[:, None] + SHIFT) * K + o_k[None, :],
+                mask=(o_l + SHIFT < j)[:, None] & (o_k < K)[None, :])
 
 
 @gluon.jit
@@ -363,11 +367,10 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
         m_rc = (o_rc < R)[:, None] & (o_kc < K)[None, :]
         urs = gl.allocate_shared_memory(uq.dtype.element_ty, [BR, K], flat2)
         qrs = gl.allocate_shared_memory(uq.dtype.element_ty, [BR, V], flat2)
-        async_copy.async_copy_global_to_shared(urs, p_uq + o_rc[:, None] * (K + V) + o_kc[None, :], mask=m_rc)
-        async_copy.async_copy_global_to_shared(qrs, p_uq + K + o_rc[:, None] * (K + V) + o_kc[None, :], mask=m_rc)
+        _async_load(urs, p_uq + o_rc[:, None] * (K + V) + o_kc[None, :], mask=m_rc)
+        _async_load(qrs, p_uq + K + o_rc[:, None] * (K + V) + o_kc[None, :], mask=m_rc)
         svs = gl.allocate_shared_memory(skv.dtype.element_ty, [V], flat1)
-        async_copy.async_copy_global_to_shared(svs, p_skv + K + gl.arange(0, V, layout=gl.BlockedLayout(
-            [2], [32], [NW], [0])))
+        _async_load(svs, p_skv + K + gl.arange(0, V, layout=gl.BlockedLayout([2], [32], [NW], [0])))
         async_copy.commit_group()
         w0w = gl.load(p_w + o_lw)
         vv = gl.load(v + i_n64 * sv_n + i_hv * sv_h + o_v)
@@ -399,7 +402,7 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
         wsh = gl.allocate_shared_memory(gl.float32, [L], flat1)
         wsh.store(w0w)
         async_copy.wait_group(0)
-        gl.thread_barrier()
+        _barrier()
         w0 = wsh.load(rows)
         # the staged tiles read channels first (each thread its channels' 16 entries), reordered in registers
         kd = gl.convert_layout(kbs.load(kv), kl).to(gl.float32)
@@ -491,10 +494,10 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
                                                 BR, K, KPT))
         red2.slice(2 * OFF + BR, BR).store(_partials(urf * gl.convert_layout(qq2 * e, gl.SliceLayout(0, rl))[None, :],
                                                      BR, K, KPT))
-        gl.thread_barrier()
+        _barrier()
         sum1.store(gl.sum(red1.load(sl), axis=1))
         sum2.store(gl.sum(red2.load(sl), axis=1))
-        gl.thread_barrier()
+        _barrier()
         ck = sum1.slice(0, L).load(rows)
         cq = sum1.slice(L, L).load(rows)
         cnk = wn * sum2.slice(0, TP).load(tv)
