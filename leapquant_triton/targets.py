@@ -26,9 +26,10 @@ STEP_CAPABILITIES = (75,) + SUPPORTED_CAPABILITIES
 # release from it to the newest). On 3.4 the griddepcontrol helpers do not compile and ring 32 with ITERS 2 spills past
 # the limit; an older Triton makes ``available()`` say so, and ``auto`` passes the backend over rather than fail.
 MIN_TRITON = (3, 5)
-# The Triton releases whose Gluon the decode step's Gluon kernel is written and checked for (its API changes between
-# releases: 3.9 has no ``thread_barrier``); under the others the ``tl`` kernel serves every shape.
-GLUON_RELEASES = ((3, 6),)
+# The Triton releases whose Gluon the decode step's Gluon kernel is written and checked for: 3.5's Gluon has no
+# ``mma_v2``; two names changed from 3.6 to 3.9 (``step_gluon``'s aliases). Under the others the ``tl`` kernel serves
+# every shape.
+GLUON_RELEASES = ((3, 6), (3, 7), (3, 8), (3, 9))
 # the most tokens per row the Gluon step kernel takes in one launch: past four its call's tiles spill and its shared
 # memory leaves fewer programs per SM, so a call of more runs as launches of at most four, as even as they can be
 # (T = 5-8 6-17 % faster than in one launch, docs/DESIGN.md)

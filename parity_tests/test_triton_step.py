@@ -340,8 +340,8 @@ def test_cuda_graph_capture():
     assert all(torch.equal(after[n], want[n]) for n in want)
 
 
-@pytest.mark.parametrize("version, taken", [("3.6.0", True), ("3.6.1+git1a2b3c4", True), ("3.9.0", False),
-                                            ("3.5.1", False)])
+@pytest.mark.parametrize("version, taken", [("3.6.0", True), ("3.6.1+git1a2b3c4", True), ("3.7.1", True),
+                                            ("3.9.0", True), ("3.5.1", False), ("3.10.0", False)])
 def test_kernels_note_says_whether_the_gluon_kernel_is_taken(monkeypatch, version, taken):
     """`python -m leapquant info`'s line on the step kernels, as each Triton release's metadata makes it: "(taken
     here)" exactly under the Gluon kernel's releases, else the release named and the tl kernel serving every shape."""
@@ -352,7 +352,8 @@ def test_kernels_note_says_whether_the_gluon_kernel_is_taken(monkeypatch, versio
     monkeypatch.setattr(md, "version", lambda name: version if name == "triton" else real(name))
     note = step_kernels_note()
     assert ("(taken here)" in note) is taken, note
-    assert (f"(not with Triton {version[:3]} here: the tl kernel serves every shape)" in note) is (not taken), note
+    release = ".".join(version.split(".")[:2])
+    assert (f"(not with Triton {release} here: the tl kernel serves every shape)" in note) is (not taken), note
     assert f"at most {GLUON_TOKENS_PER_LAUNCH} tokens per row a launch" in note
 
 
