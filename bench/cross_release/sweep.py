@@ -10,9 +10,10 @@ import torch
 
 import leapquant
 import leapquant_triton.step as ST
-from leapquant import formulas
+from leapquant import formulas, parity
 from leapquant.reference import ReferenceBackend
 from parity_tests.test_multi_token import _pool, _tokens, _twin
+from parity_tests.test_triton_step import _ulp, _ulps
 
 REF = ReferenceBackend()
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -43,7 +44,7 @@ def make(c: dict, seed: int):
         g = made.geometry
         other = leapquant.Pool(g.num_slots, g.heads, 128, 128, L, g.rank, gate=g.gate, q0=made.q0.clone(),
                                convention="sglang")
-        leapquant.parity.restore(other, leapquant.parity.snapshot(made))
+        parity.restore(other, parity.snapshot(made))
         made = other
     pool = _twin(made, DEV) if made.history is not None else _plain_twin(made)
     idx = torch.tensor([3, 0, 1, 5], dtype=torch.int32, device=DEV)
@@ -55,11 +56,11 @@ def make(c: dict, seed: int):
 
 
 def _plain_twin(pool):
-    """A pool holding ``pool``'s bytes on the sweep's device, without a history."""
+    """A pool holding ``pool``'s bytes on the sweep's device, without a history (parity.twin keeps the device)."""
     g = pool.geometry
     other = leapquant.Pool(g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, gate=g.gate, q0=pool.q0.clone(),
                            convention=pool.convention, device=DEV)
-    leapquant.parity.restore(other, leapquant.parity.snapshot(pool))
+    parity.restore(other, parity.snapshot(pool))
     return other
 
 
@@ -71,18 +72,6 @@ def run_kernel(pool, idx, tok, c: dict) -> torch.Tensor:
     out = torch.full(shape, float("nan"), dtype=DT[c["to"]], device=DEV)
     ST.step_pool(pool, idx, **tok, scale=0.3, use_qk_l2norm=c["l2"], out=out, per_launch=4 if T > 1 else None)
     return out
-
-
-def ulps16(a, b):
-    ia, ib = a.contiguous().view(torch.int16).int(), b.contiguous().view(torch.int16).int()
-    order = lambda i: torch.where(i < 0, -(i & 0x7FFF), i)  # noqa: E731
-    return (order(ia) - order(ib)).abs()
-
-
-def ulp_of(x, dtype):
-    mant = {torch.float32: 24, torch.bfloat16: 8, torch.float16: 11}[dtype]
-    _, e = torch.frexp(x.abs().clamp_min(torch.finfo(dtype).tiny))
-    return torch.ldexp(torch.ones_like(x), e - mant)
 
 
 def check(pool, before, idx, tok, out, c: dict) -> list[str]:
@@ -105,7 +94,7 @@ def check(pool, before, idx, tok, out, c: dict) -> list[str]:
             x = {n: tok[n][:, t] for n in tok}
             got = out[:, t]
         else:
-            ref = _plain_twin(before)
+            ref = parity.twin(before)
             x = tok
             got = out
         want = torch.empty(idx.numel(), pool.heads, 128, device=DEV)  # fp32 whatever the tokens' dtype
@@ -127,7 +116,7 @@ def check(pool, before, idx, tok, out, c: dict) -> list[str]:
             if float(rel[w.norm(dim=-1) > 0].max()) > 1e-5:
                 bad.append(f"t{t} out rel {float(rel.max()):.2e}")
         else:
-            bound = ulp_of(w, got.dtype) + 1e-5 * w.abs().amax(-1, keepdim=True)
+            bound = _ulp(w, got.dtype) + 1e-5 * w.abs().amax(-1, keepdim=True)
             r = ((gt - w).abs() / bound).max()
             if float(r) > 1:
                 bad.append(f"t{t} out {float(r):.2f} of an ulp")
@@ -135,12 +124,12 @@ def check(pool, before, idx, tok, out, c: dict) -> list[str]:
             if getattr(pool, name) is not None:
                 a_, b_ = getattr(pool, name)[rows[:, None], heads, j], getattr(ref, name)[rows[:, None], heads, j]
                 if name == "kbuf" and c["l2"]:
-                    if int(ulps16(a_, b_).max()) > 1:
-                        bad.append(f"t{t} kbuf {int(ulps16(a_, b_).max())} ulp")
-                elif not torch.equal(a_, b_) and not (DEV == "cpu" and int(ulps16(a_, b_).max()) <= 1):
+                    if int(_ulps(a_, b_).max()) > 1:
+                        bad.append(f"t{t} kbuf {int(_ulps(a_, b_).max())} ulp")
+                elif not torch.equal(a_, b_) and not (DEV == "cpu" and int(_ulps(a_, b_).max()) <= 1):
                     bad.append(f"t{t} {name} differs")  # (the interpreter's exp is numpy's: an ulp off torch's)
         a_u, b_u = pool.ubuf[rows[:, None], heads, j], ref.ubuf[rows[:, None], heads, j]
-        d = ulps16(a_u, b_u)
+        d = _ulps(a_u, b_u)
         floor = 2.0 ** -18 * (x["v"].float().abs().max() + b_u.float().abs().max())
         if not bool(((d <= 1) | ((a_u.float() - b_u.float()).abs() <= floor)).all()):
             bad.append(f"t{t} ubuf {int(d.max())} ulp")
@@ -188,7 +177,7 @@ def run(state, releases) -> list[dict]:
             for rel in releases:
                 state.release = rel
                 state.counts.update(routed=0, native=0)
-                pool = _twin(pool0) if pool0.history is not None else _plain_twin(pool0)
+                pool = _twin(pool0) if pool0.history is not None else parity.twin(pool0)
                 try:
                     out = run_kernel(pool, idx, tok, c)
                     if DEV == "cuda":
