@@ -236,7 +236,7 @@ def check_idx(pool: "Pool", idx) -> None:
 SLOT_DTYPES = (torch.int32, torch.int64)
 
 
-def _slot_list(slots, name: str) -> list[int]:
+def slot_list(slots, name: str) -> list[int]:
     """The slots of a sequence (or a single slot) as Python ints: each must be an int or a numpy integer (anything
     with ``__index__`` but a bool). A float or a bool would otherwise be cast (``[1.7, 2.2]`` naming slots 1 and 2,
     ``[True, False]`` slot 1 and the null slot)."""
@@ -283,7 +283,7 @@ def check_slots(pool: "Pool", slots, name: str = "slots", distinct: bool = False
         s = slots.to(device=pool.device, dtype=torch.long).reshape(-1)
         host = s.cpu().tolist()
     else:
-        host = _slot_list(slots, name)
+        host = slot_list(slots, name)
         s = None
     if host and (min(host) < 0 or max(host) >= pool.num_slots):
         raise ValueError(f"{name} must lie in [0, {pool.num_slots}), got {host}")

@@ -2,11 +2,12 @@
 ``select`` (which backend runs one), and the ``torch.library`` ops behind them.
 
 Under ``torch.compile``, ``flush`` goes through the custom op ``leapquant::flush`` (``step``: ``leapquant::step``, or
-``leapquant::step_tokens`` for T > 1 tokens a row; ``accept``: ``leapquant::accept``), which declares the pool tensors
-it mutates and has a fake implementation, so the compiled graph holds one opaque op. In eager code (and under CUDA-graph
-capture) it calls the backend directly: the custom op's Python dispatch of a mutating op costs more host time than a
-sparse flush takes on the GPU (bench/results/host_overhead_h200.md). Either way the backend runs with the pool's GPU
-as the current device (:func:`leapquant.registry.launch`).
+``leapquant::step_tokens`` for T > 1 tokens a row; ``accept``: ``leapquant::accept``; ``Pool.copy_slots``,
+``Pool.states`` and ``Pool.load_states``: ``leapquant::copy_slots``, ``::states`` and ``::load_states``), which declares
+the tensors it mutates and has a fake implementation, so the compiled graph holds one opaque op. In eager code (and
+under CUDA-graph capture) it calls the backend directly: the custom op's Python dispatch of a mutating op costs more
+host time than a sparse flush takes on the GPU (bench/results/host_overhead_h200.md). Either way the backend runs
+with the pool's GPU as the current device (:func:`leapquant.registry.launch`).
 """
 
 from __future__ import annotations
@@ -355,9 +356,8 @@ def op_args(pool: Pool, idx: torch.Tensor, backend: BackendName = "auto") -> tup
     """The positional arguments of ``torch.ops.leapquant.flush`` for ``flush(pool, idx, backend)``: the pool's tensors,
     ``idx``, its geometry and the backend's name; the layout goes as the keyword ``layout`` (default "compact", the
     pool's)."""
-    g = pool.geometry
-    return (pool.raw, pool.kbuf, pool.ubuf, pool.w, pool.pcum, pool.gbuf, pool.hcnt, pool.q0, idx,
-            g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, pool.convention, pool.iters, backend)
+    own = pool.op_args()
+    return own[:8] + (idx,) + own[8:] + (backend,)
 
 
 # the custom ops' arguments: the pool's tensors and geometry, as ``op_args`` lists them, then each op's own; the
@@ -372,9 +372,11 @@ _STEP_PARAMS = (("q", "Tensor"), ("k", "Tensor"), ("v", "Tensor"), ("g", "Tensor
 _TAIL_PARAMS = (("backend", "str"), ("check", "bool", False), ("layout", "str", "compact"))
 
 
-def _custom_op(name: str, params: tuple, mutated: tuple[str, ...], body):
+def _custom_op(name: str, params: tuple, mutated: tuple[str, ...], body, with_idx: bool = True):
     """``torch.library`` op ``leapquant::<name>`` over ``params`` (``(name, type[, default])``), declaring
-    ``mutated`` as written, run by ``body(pool, args)`` with ``args`` the bound arguments by name."""
+    ``mutated`` as written, run by ``body(pool, args)`` with ``args`` the bound arguments by name. ``with_idx``: the
+    op takes ``idx`` and checks it and the pool as ``flush`` does; without, ``body`` checks what it takes (the ops on
+    slots call the pool's own method, which does)."""
     fields, sig = [], []
     for i, (pname, typ, *default) in enumerate(params):
         if pname in mutated:
@@ -390,8 +392,9 @@ def _custom_op(name: str, params: tuple, mutated: tuple[str, ...], body):
         a = a.arguments
         pool = Pool.from_tensors(*(a[n] for n in POOL_BASE), layout=a["layout"],
                                  **{n: a[n] for n, _ in _POOL_PARAMS[9:]})
-        check_idx_layout(pool, a["idx"])
-        _check_call(pool, a["idx"], a["check"])
+        if with_idx:
+            check_idx_layout(pool, a["idx"])
+            _check_call(pool, a["idx"], a["check"])
         body(pool, a)
 
     op = torch.library.custom_op(f"leapquant::{name}", run_op, mutates_args=mutated, device_types=None,
@@ -451,6 +454,29 @@ def _run_accept_op(pool: Pool, a: dict) -> None:
 _accept_op = _custom_op(
     "accept", _POOL_PARAMS + _HISTORY_PARAMS + (("num_accepted", "Tensor"),) + _TAIL_PARAMS,
     ("w", "pcum", "gbuf", "hcnt", "hcount"), _run_accept_op)
+
+
+# the ops on slots (``Pool.copy_slots``, ``Pool.states``, ``Pool.load_states``, routed here under torch.compile by
+# the pool's methods): the pool's tensors and geometry without ``idx`` (``Pool.op_args``), then each op's own; the op
+# runs the pool's method, whose checks (with ``check``, host reads of the slots and values) run when the graph runs
+_SLOT_POOL_PARAMS = _POOL_PARAMS[:8] + _POOL_PARAMS[9:]
+_WRITES_POOL = ("raw", "kbuf", "ubuf", "w", "pcum", "gbuf", "hcnt")  # every pool tensor but q0, as flush declares
+
+_copy_slots_op = _custom_op(
+    "copy_slots", _SLOT_POOL_PARAMS + (("src", "Tensor"), ("dst", "Tensor")) + _TAIL_PARAMS, _WRITES_POOL,
+    lambda pool, a: pool.copy_slots(a["src"], a["dst"], check=a["check"], backend=a["backend"]), with_idx=False)
+
+_states_op = _custom_op(
+    "states", _SLOT_POOL_PARAMS + (("slots", "Tensor"), ("out", "Tensor"), ("state_v_first", "bool"))
+    + _TAIL_PARAMS, ("out",),
+    lambda pool, a: pool.states(a["slots"], out=a["out"], backend=a["backend"], check=a["check"],
+                                state_v_first=a["state_v_first"]), with_idx=False)
+
+_load_states_op = _custom_op(
+    "load_states", _SLOT_POOL_PARAMS + (("slots", "Tensor"), ("states", "Tensor"), ("state_v_first", "bool"))
+    + _TAIL_PARAMS, _WRITES_POOL,
+    lambda pool, a: pool.load_states(a["slots"], a["states"], backend=a["backend"], check=a["check"],
+                                     state_v_first=a["state_v_first"]), with_idx=False)
 
 
 def run(codes, s_k, s_v, u, q, kbuf, ubuf, gbuf, w, pcum, q0, backend: BackendName = "auto", iters: int = 1):

@@ -17,7 +17,7 @@ import torch
 from . import formulas
 from .checks import (POOL_BASE, check_append, check_copy_slots, check_device, check_geometry, check_in_storage,
                      check_iters, check_load_apart, check_pool, check_pool_tensors, check_slots, check_state_tensor,
-                     check_state_values, check_states_out, check_states_out_apart, spans, state_shape)
+                     check_state_values, check_states_out, check_states_out_apart, slot_list, spans, state_shape)
 from .constants import BASE_WORDS, EPS
 from .geometry import Convention, Gate, Geometry, Layout, view_layouts
 from .memory import ring_bytes
@@ -133,6 +133,17 @@ class History:
         hist.max_tokens = T1 - 1
         hist.start, hist.count, hist.pcum, hist.w = start, count, pcum, w
         return hist
+
+
+def _traced_slots(slots, name: str, check: bool) -> torch.Tensor:
+    """Slots as the ops on slots take them while ``torch.compile`` traces: a tensor as it is (the op checks it when
+    the graph runs); a sequence of ints (``check`` only, as in eager code) as an int64 tensor on the CPU, its items
+    checked now (:func:`.checks.slot_list`: a float or a bool is refused, not cast)."""
+    if isinstance(slots, torch.Tensor):
+        return slots
+    if not check:
+        raise TypeError(f"{name} must be a torch.Tensor with check=False, got {type(slots).__name__}")
+    return torch.tensor(slot_list(slots, name), dtype=torch.long)
 
 
 class Pool:
@@ -310,6 +321,13 @@ class Pool:
             f"layout={g.layout!r}, device={str(self.device)!r})"
         )
 
+    def op_args(self) -> tuple:
+        """The pool's tensors (:data:`.checks.POOL_BASE`) and geometry, as the ``torch.ops.leapquant`` ops take them
+        (those of a flush or step with ``idx`` after the tensors)."""
+        g = self.geometry
+        return (self.raw, self.kbuf, self.ubuf, self.w, self.pcum, self.gbuf, self.hcnt, self.q0,
+                g.num_slots, g.heads, g.head_k, g.head_v, g.ring, g.rank, g.gate, self.convention, self.iters)
+
     def checkpoint(self, slots) -> dict[str, torch.Tensor]:
         """The checkpoint and ring of ``slots`` (checked: in range) gathered into fresh dense tensors, keyed by the
         names of ``run``."""
@@ -328,7 +346,16 @@ class Pool:
         """The rebuilt fp32 states of ``slots`` (SPEC §3 step 4, §5), checkpoint plus ring as it stands:
         ``[len(slots), HV, V, K]``, or FLA's ``[len(slots), HV, K, V]`` with ``state_v_first=False``; written into
         ``out`` if given (each head dense), else a new tensor. ``backend`` (``"auto"``: Triton on CUDA, else the
-        reference) and ``check`` (``False``: metadata only, no host sync) as for :func:`leapquant.flush`."""
+        reference) and ``check`` (``False``: metadata only, no host sync) as for :func:`leapquant.flush`. Under
+        ``torch.compile`` the call is the op ``leapquant::states``, whose checks run when the graph runs."""
+        if torch.compiler.is_compiling():
+            s = _traced_slots(slots, "slots", check)
+            if out is None:
+                out = torch.empty(state_shape(self, s.numel(), state_v_first), dtype=torch.float32,
+                                  device=self.device)
+            torch.ops.leapquant.states(*self.op_args(), s, out, bool(state_v_first), backend, check=bool(check),
+                                       layout=self.layout)
+            return out
         self.check_layout(force=check)
         s = check_slots(self, slots, check=check)
         if out is None:
@@ -346,7 +373,14 @@ class Pool:
         """Compress fp32 ``states`` (``[len(slots), HV, V, K]``, or FLA's ``[len(slots), HV, K, V]`` with
         ``state_v_first=False``) into those slots' checkpoints (SPEC §3 steps 5-10, §5) and empty their rings
         (``hcnt = 0``). ``backend`` and ``check`` as for :meth:`states`; ``check=True`` also refuses a slot named
-        twice, non-finite states and ``max|S| > 2^64`` (:func:`.checks.check_state_values`)."""
+        twice, non-finite states and ``max|S| > 2^64`` (:func:`.checks.check_state_values`). Under ``torch.compile``
+        the call is the op ``leapquant::load_states``, whose checks run when the graph runs."""
+        if torch.compiler.is_compiling():
+            if not isinstance(states, torch.Tensor):
+                raise TypeError(f"states must be a torch.Tensor, got {type(states).__name__}")
+            torch.ops.leapquant.load_states(*self.op_args(), _traced_slots(slots, "slots", check), states,
+                                            bool(state_v_first), backend, check=bool(check), layout=self.layout)
+            return
         self.check_layout(force=check)
         if isinstance(states, torch.Tensor):
             check_in_storage(states, "states")  # before anything reads it
@@ -378,7 +412,14 @@ class Pool:
                 slot is skipped (nothing written for it), and a ``dst`` named twice gets one of its copies.
             backend: the step's (``leapquant.select(pool, backend, op="step")``): the Triton backend copies in two
                 kernel launches (``leapquant_triton.copy``); the others in torch (:meth:`copy_slots_torch`).
+
+        Under ``torch.compile`` the call is the op ``leapquant::copy_slots``, whose checks run when the graph runs.
         """
+        if torch.compiler.is_compiling():
+            torch.ops.leapquant.copy_slots(*self.op_args(), _traced_slots(src, "src", check),
+                                           _traced_slots(dst, "dst", check), backend, check=bool(check),
+                                           layout=self.layout)
+            return
         self.check_layout(force=check)
         s, d = check_copy_slots(self, src, dst, check)
         if s.numel() == 0:

@@ -212,3 +212,38 @@ def test_bad_input_is_refused(check, case):
     with pytest.raises(exc, match=words):
         pool.copy_slots(*make(pool), check=check)
     assert _differs(pool, before) == []
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("path", ["exact", "triton"])
+def test_under_torch_compile(path, compiler, monkeypatch):
+    """``copy_slots`` compiles with fullgraph=True into the custom op ``leapquant::copy_slots`` (``aot_eager``: through
+    functionalisation, as Inductor takes it), for tensors with check=False and Python lists with check=True, and
+    copies what the eager call copies; with check=True a slot out of range raises inside the compiled call and writes
+    nothing."""
+    backend = _path(path, monkeypatch)
+    pool = _poisoned("kda", "vllm", "compact", seed=21)
+    src, dst = [3, 1, 2], [1, 2, 6]  # a chain: 1 and 2 are read before they are written
+
+    @torch.compile(backend=compiler, fullgraph=True)
+    def graphed(s, d):
+        pool.copy_slots(s, d, check=False, backend=backend)
+
+    @torch.compile(backend=compiler, fullgraph=True)
+    def checked():
+        pool.copy_slots([4], [5], backend=backend)
+
+    want = _expected(pool, parity.snapshot(pool), src, dst)
+    graphed(_t(*src, dtype=torch.int32), _t(*dst, dtype=torch.int32))
+    assert _differs(pool, want) == []
+    want = _expected(pool, parity.snapshot(pool), [4], [5])
+    checked()
+    assert _differs(pool, want) == []
+
+    @torch.compile(backend=compiler, fullgraph=True)
+    def out_of_range(d):
+        pool.copy_slots(_t(1), d, backend=backend)
+
+    with pytest.raises(ValueError, match=r"dst must lie in \[0, 7\)"):
+        out_of_range(_t(7))
+    assert _differs(pool, want) == []

@@ -270,3 +270,42 @@ def test_ahead_of_time_builds_fit():
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     rows = [line for line in res.stdout.splitlines() if line.startswith("sm_90")]
     assert len(rows) == 2 * 2 * 2 and all(" ok " in line and "mma.sync" in line for line in rows), res.stdout
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_under_torch_compile(backend, compiler):
+    """``states`` and ``load_states`` compile with fullgraph=True into the custom ops ``leapquant::states`` and
+    ``leapquant::load_states`` (``aot_eager``: through functionalisation, as Inductor takes them): the states and the
+    pool bytes of the eager calls, into a new tensor or a caller's, in either layout; with check=True a non-finite
+    state raises inside the compiled call and writes nothing."""
+    pool = _filled("gdn", seed=9)
+    twin = parity.twin(pool)
+    slots = torch.tensor([3, 1], dtype=torch.int32, device=DEVICE)
+
+    @torch.compile(backend=compiler, fullgraph=True)
+    def round_trip(s, buf):
+        S = pool.states(s, backend=backend, check=False)
+        pool.states(s, out=buf, backend=backend, check=False, state_v_first=False)
+        pool.load_states([2, 4], 0.5 * S, backend=backend)
+        return S
+
+    buf = torch.full((2, pool.heads, pool.head_k, pool.head_v), float("nan"), device=DEVICE)
+    got = round_trip(slots, buf)
+    want = twin.states(slots, backend=backend)
+    twin.load_states([2, 4], 0.5 * want, backend=backend)
+    assert torch.equal(got, want)
+    assert torch.equal(buf.transpose(-1, -2), want)
+    a, b = parity.snapshot(pool), parity.snapshot(twin)
+    assert [n for n in a if not torch.equal(a[n], b[n])] == []
+
+    @torch.compile(backend=compiler, fullgraph=True)
+    def load(S):
+        pool.load_states(slots, S, backend=backend)
+
+    bad = want.clone()
+    bad[1, 0, 3, 5] = float("inf")
+    with pytest.raises(ValueError, match="states must be finite"):
+        load(bad)
+    a = parity.snapshot(pool)
+    assert [n for n in a if not torch.equal(a[n], b[n])] == []
