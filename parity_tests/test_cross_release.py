@@ -5,6 +5,7 @@ the interpreter's step and catch a wrong output), a key's ahead-of-time build, a
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -18,7 +19,11 @@ from bench.cross_release import cases, routing, sweep  # noqa: E402
 
 @pytest.fixture
 def capture(tmp_path, monkeypatch):
-    """The routing installed for this test only, capturing keys without launching."""
+    """The routing installed for this test only, capturing keys without launching: the interpreter's launches (of the
+    ``tl`` twin, keyed as the Gluon kernel's), as ``bench.cross_release.keys`` makes them; on a GPU the CPU pools of
+    the cases have no Triton launches to capture, and ``bench.cross_release.check`` is the harness's GPU run."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("captures the Triton interpreter's launches (TRITON_INTERPRET=1, as on a machine without CUDA)")
     monkeypatch.setattr(launcher.Prepared, "__call__", routing._routed)
     path = tmp_path / "keys.jsonl"
     monkeypatch.setattr(routing, "state", routing.State(capture=str(path), dry=True))
