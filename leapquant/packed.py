@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .checks import (STEP_DTYPES, check_apart, check_finite, check_idx_layout, check_in_storage, check_step_values, spans,
                      token_rows)
-from .ops import BackendName, check_pool_type, step, step_operands
+from .ops import BackendName, accept, check_pool_type, step, step_operands
 from .pool import Pool
 from .registry import launch, resolve
 
@@ -101,11 +101,12 @@ def packed_heads(pool: Pool, width: int) -> int:
 
 
 def split_qkv(mixed_qkv: torch.Tensor, H: int, K: int, HV: int, V: int) -> tuple[torch.Tensor, ...]:
-    """Views ``q, k`` ``[B, H, K]`` and ``v`` ``[B, HV, V]`` of ``mixed_qkv`` ``[B, 2 H K + HV V]`` (unit last stride,
-    any row stride): vLLM's order, ``q`` at channel 0, ``k`` at ``H K``, ``v`` at ``2 H K``. No copy."""
-    q = mixed_qkv[:, : H * K].unflatten(1, (H, K))
-    k = mixed_qkv[:, H * K: 2 * H * K].unflatten(1, (H, K))
-    v = mixed_qkv[:, 2 * H * K:].unflatten(1, (HV, V))
+    """Views ``q, k`` ``[..., H, K]`` and ``v`` ``[..., HV, V]`` of ``mixed_qkv`` ``[..., 2 H K + HV V]`` (``[B, D]``,
+    or ``[B, T, D]`` for T tokens a row; unit last stride, any other strides): vLLM's order, ``q`` at channel 0, ``k``
+    at ``H K``, ``v`` at ``2 H K``. No copy."""
+    q = mixed_qkv[..., : H * K].unflatten(-1, (H, K))
+    k = mixed_qkv[..., H * K: 2 * H * K].unflatten(-1, (H, K))
+    v = mixed_qkv[..., 2 * H * K:].unflatten(-1, (HV, V))
     return q, k, v
 
 
@@ -223,10 +224,11 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
                 A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: Optional[float] = None,
                 scale: Optional[float] = None, use_qk_l2norm: bool = False, out: Optional[torch.Tensor] = None,
                 workspace: Optional[PackedWorkspace] = None, backend: BackendName = "auto",
-                check: bool = True, fused: bool = True) -> torch.Tensor:
-    """One decode token per batch row from the engine's packed projection and raw gate inputs, in place on the pool;
-    returns the attention output (docs/SPEC.md §6.2). vLLM's ``fused_recurrent_gated_delta_rule_packed_decode`` and
-    ``fused_recurrent_kda_packed_decode`` over a LeapQuant pool.
+                check: bool = True, fused: bool = True,
+                num_accepted: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """One decode token per batch row (or T, speculative decoding) from the engine's packed projection and raw gate
+    inputs, in place on the pool; returns the attention output (docs/SPEC.md §6.2). vLLM's
+    ``fused_recurrent_gated_delta_rule_packed_decode`` and ``fused_recurrent_kda_packed_decode`` over a LeapQuant pool.
 
     The gates are GDN ``g = -exp(A_log) * softplus(a + dt_bias)`` per value head; KDA the same per key channel, or
     ``lower_bound * sigmoid(exp(A_log) * (a + dt_bias))``; ``beta = sigmoid(b)`` (FLA's formulas, this module's
@@ -251,15 +253,23 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
         workspace: where the gates go when they are computed apart (:func:`packed_workspace`); default new buffers
             (``torch.empty``; none on the fused path). Pass one to keep a CUDA graph free of allocations; its ``beta``
             dtype is what beta is rounded to, on the fused path too (which reads only that dtype of it).
-        fused: compute the gates inside the step kernel where the backend can (Triton); False: apart, into
-            ``workspace``, then the step (two launches; the same bytes).
+        fused: compute the gates inside the step kernel where the backend can (Triton, one token a row); False:
+            apart, into ``workspace``, then the step (two launches; the same bytes).
+        num_accepted: as for :func:`leapquant.step`: int32 ``[B]``, the previous call's accepted tokens per row,
+            applied first (:func:`leapquant.accept`).
+
+    T tokens a row (SPEC §6.1, §6.2): ``mixed_qkv`` ``[B, T, D]`` with T > 1, ``a`` ``[B, T, HV]`` (GDN) or ``[B, T,
+    HV, K]`` / ``[B, T, HV * K]`` (KDA), ``b`` ``[B, T, HV]``, ``out`` and the result ``[B, T, HV, V]``; ``workspace``
+    then holds ``B * T`` rows (``packed_workspace(pool, B * T)``), row ``n T + t`` the gates of row n's token t. The
+    gates are computed apart (the gate kernel on the Triton backend), then :func:`leapquant.step` runs the T tokens
+    on views of ``mixed_qkv``.
 
     With ``check=False`` nothing synchronises with the host and the Triton path allocates nothing but ``out`` when it
     is not given (and a default workspace with ``fused=False``): graph-capturable. Under ``torch.compile`` the gates
     are the torch formulas, apart.
 
     Returns:
-        ``o`` ``[B, HV, V]`` in ``mixed_qkv``'s dtype (``out``'s view when given).
+        ``o`` ``[B, HV, V]`` (T tokens: ``[B, T, HV, V]``) in ``mixed_qkv``'s dtype (``out``'s view when given).
 
     Raises:
         TypeError, ValueError: a tensor of the wrong type, dtype, shape (``mixed_qkv``'s width names the widths this
@@ -271,6 +281,10 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
     check_pool_type(pool)
     check_idx_layout(pool, idx)
     B = idx.numel()
+    T = _packed_tokens(mixed_qkv, B)
+    if T > 1:
+        return _step_packed_tokens(pool, idx, T, mixed_qkv, a, b, A_log, dt_bias, lower_bound, scale, use_qk_l2norm,
+                                   out, workspace, backend, check, num_accepted)
     mixed_qkv, a, b, A_log, dt_bias = check_packed_inputs(pool, B, mixed_qkv, a, b, A_log, dt_bias)
     lower_bound = check_lower_bound(pool, lower_bound)
     H = packed_heads(pool, mixed_qkv.shape[1])
@@ -289,6 +303,9 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
             _check_packed_values(pool, idx, a, b, A_log, dt_bias)
         chosen = resolve(backend, pool, "step")
         backend = chosen.name
+    if num_accepted is not None:  # the previous call's acceptance first, as step applies it
+        accept(pool, idx, num_accepted, check=check, backend=backend)
+    if not compiling:
         if fused and getattr(chosen, "step_packed", None) is not None:
             return _step_packed_fused(pool, chosen, idx, q, k, v, a, b, A_log, dt_bias, lower_bound,
                                       torch.float32 if workspace is None else workspace.beta.dtype, scale,
@@ -301,6 +318,57 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
                beta)
     return step(pool, idx, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out, backend=backend,
                 check=check)
+
+
+def _packed_tokens(mixed_qkv, B: int) -> int:
+    """T of a packed call: ``mixed_qkv`` ``[B, T, D]`` with T > 1 is T tokens a row; every other form one token (as
+    :func:`leapquant.step` reads ``q``)."""
+    if isinstance(mixed_qkv, torch.Tensor) and mixed_qkv.dim() == 3 and mixed_qkv.shape[0] == B and \
+            mixed_qkv.shape[1] > 1:
+        return int(mixed_qkv.shape[1])
+    return 1
+
+
+def _step_packed_tokens(pool: Pool, idx, T: int, mixed_qkv, a, b, A_log, dt_bias, lower_bound, scale, use_qk_l2norm,
+                        out, workspace, backend, check: bool, num_accepted) -> torch.Tensor:
+    """:func:`step_packed` with T > 1 tokens a row: every token's inputs checked as one token's (the first token's
+    views carry the metadata all share), the gates of the ``B T`` (row, token) pairs computed apart, then the T-token
+    step on views of ``mixed_qkv``."""
+    B, rows = idx.numel(), idx.numel() * T
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 3 or tuple(t.shape[:2]) != (B, T):
+            raise ValueError(f"{name} must be [B, T, ...] with B = {B} rows and T = {T} tokens (as mixed_qkv), got "
+                             f"{list(t.shape)}")
+    # one token's views: the dtype, device, width and channel stride every token shares
+    _, a1, _, A_log, dt_bias = check_packed_inputs(pool, B, mixed_qkv[:, 0], a[:, 0], b[:, 0], A_log, dt_bias)
+    lower_bound = check_lower_bound(pool, lower_bound)
+    H = packed_heads(pool, mixed_qkv.shape[-1])
+    q, k, v = split_qkv(mixed_qkv, H, pool.head_k, pool.heads, pool.head_v)
+    a_rows, b_rows = a.reshape((rows,) + tuple(a1.shape[1:])), b.reshape(rows, pool.heads)  # row n T + t
+    compiling = torch.compiler.is_compiling()
+    if workspace is not None:
+        inputs = None if compiling else spans({"idx": idx, "mixed_qkv": mixed_qkv, "a": a, "b": b, "A_log": A_log,
+                                               "dt_bias": dt_bias,
+                                               "out": out if isinstance(out, torch.Tensor) else None})
+        workspace = _check_workspace(pool, workspace, rows, inputs)
+    gates = _torch_gates
+    if not compiling:
+        for name, t in (("mixed_qkv", mixed_qkv), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
+            check_in_storage(t, name)
+        if check:
+            _check_packed_values(pool, idx.repeat_interleave(T), a_rows, b_rows, A_log, dt_bias)
+        chosen = resolve(backend, pool, "step")
+        backend = chosen.name
+        gates = getattr(chosen, "packed_gates", None) or _torch_gates
+    g, beta = packed_workspace(pool, rows) if workspace is None else workspace
+    if compiling:
+        gates(pool, a_rows, b_rows, A_log, dt_bias, lower_bound, g, beta)
+    else:
+        launch(pool, gates, a_rows, b_rows, A_log, dt_bias, lower_bound, g, beta)
+    return step(pool, idx, q, k, v, g.unflatten(0, (B, T)), beta.unflatten(0, (B, T)), scale=scale,
+                use_qk_l2norm=use_qk_l2norm, out=out, backend=backend, check=check, num_accepted=num_accepted)
 
 
 def _step_packed_fused(pool: Pool, chosen, idx, q, k, v, a, b, A_log, dt_bias, lower_bound, beta_dtype, scale,

@@ -36,6 +36,18 @@ GATE_IDS = ["kda", "kda-lower-bound", "gdn"]
 GATE_ULPS = 0 if DEVICE == "cuda" else 4
 
 
+def _g_ulps(a, A_log, dt_bias, lower_bound):
+    """How far (in spacings) the Triton kernel's log decays may lie from torch's, per element: :data:`GATE_ULPS`, and
+    for KDA's lower-bound gate that times ``1 + |z|`` (``z = exp(A_log) (a + dt_bias)``, sigmoid's argument: an ulp
+    between the two ``exp(A_log)`` moves ``z`` by an ulp and ``sigmoid(z)`` by about ``|z|`` of its own; measured
+    under the interpreter, up to 33 ulps at ``z`` near -17, at most 2.8 (1 + |z|))."""
+    if lower_bound is None or GATE_ULPS == 0:
+        return GATE_ULPS
+    HV, K = a.shape[-2:]
+    z = A_log.float().view(HV, 1).exp() * (a.float() + dt_bias.float().view(HV, K))
+    return GATE_ULPS * (1 + z.abs())
+
+
 def _spacings(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``|x - y|`` in units of the fp32 spacing at ``max(|x|, |y|)`` (denormals included; 0 where both are equal,
     NaNs and infinities included; infinite against a finite value; NaN against a number)."""
@@ -154,7 +166,7 @@ def test_triton_gates(gate, lower_bound, dtype):
     _, a, b, A_log, dt_bias = _raw(gate, 32, 1, HV, K, K, seed=2, dtype=dtype, spread=12.0)
     ws = _triton_gates(pool, a, b, A_log, dt_bias, lower_bound)
     g, beta = packed.packed_gates(gate, a, b, A_log, dt_bias, lower_bound)
-    assert int(_spacings(ws.g, g).max()) <= GATE_ULPS
+    assert bool((_spacings(ws.g, g) <= _g_ulps(a, A_log, dt_bias, lower_bound)).all())
     assert int(_spacings(ws.beta, beta).max()) <= GATE_ULPS
     fg, fb = _fla_triton_gate(gate, a, A_log, dt_bias, lower_bound, b)
     A = A_log.float().exp().view((HV, 1) if gate == "kda" else (HV,))
@@ -251,7 +263,8 @@ def test_step_packed_is_step(gate, lower_bound, case, backend, fused):
     if backend == "triton" and fused:
         assert bool(ws.g.isnan().all()) and bool(ws.beta.isnan().all())
         ws = _triton_gates(pool, a, b, A_log, dt_bias, lower_bound)  # the same functions as the kernel's prologue
-    assert int(_spacings(ws.g[real], g[real]).max()) <= (GATE_ULPS if backend == "triton" else 0)
+    ulps = _g_ulps(a, A_log, dt_bias, lower_bound) if backend == "triton" else 0
+    assert bool((_spacings(ws.g, g)[real] <= (ulps[real] if isinstance(ulps, torch.Tensor) else ulps)).all())
     if backend == "triton" and DEVICE == "cpu":
         g, beta = ws.g.clone(), ws.beta.clone()
     q, k, v = packed.split_qkv(mixed, H, K, HV, V)
@@ -356,12 +369,16 @@ def test_step_packed_captures_into_a_cuda_graph():
         assert torch.equal(b_, parity.snapshot(pools[0])[name]), name
 
 
-def test_step_packed_under_torch_compile():
+@pytest.mark.parametrize("T", [1, 3])
+def test_step_packed_under_torch_compile(T):
     """``step_packed(..., check=False)`` compiles with fullgraph=True (the gates as the torch formulas, then the op
-    ``leapquant::step``) and gives the eager call's output and pool bytes."""
+    ``leapquant::step``, or ``leapquant::step_tokens`` for T tokens a row) and gives the eager call's output and pool
+    bytes."""
     pools = [leapquant.Pool(3, 2, 64, 64, 8, 2, gate="kda") for _ in range(2)]
     idx = torch.tensor([1, 2], dtype=torch.int32)
-    mixed, a, b, A_log, dt_bias = (t.cpu() for t in _raw("kda", 2, 1, 2, 64, 64, seed=9))
+    mixed, a, b, A_log, dt_bias = (t.cpu() for t in _raw("kda", 2 * T, 1, 2, 64, 64, seed=9))
+    if T > 1:
+        mixed, a, b = (t.unflatten(0, (2, T)) for t in (mixed, a, b))
 
     @torch.compile(backend="eager", fullgraph=True)
     def compiled(mixed):
@@ -374,6 +391,102 @@ def test_step_packed_under_torch_compile():
     assert torch.equal(o_c, o_e)
     for name, b_ in parity.snapshot(pools[1]).items():
         assert torch.equal(b_, parity.snapshot(pools[0])[name]), name
+
+
+# --- T tokens a row (speculative decoding) --------------------------------------------------------------------------
+
+
+def _tokens_pool(gate, HV, K, V, L, T, seed):
+    """Slots 1-4 with checkpoints and rings at fills 0, L - 1 (flushed first: it cannot hold T more), 2 and L - T, a
+    history for T tokens a row."""
+    pool = leapquant.Pool(6, HV, K, V, L, 2, gate=gate, device=DEVICE, max_tokens=T)
+    fill(pool, [1, 2, 3, 4], "gaussian", torch.Generator().manual_seed(seed))
+    pool.hcnt[1:5] = torch.tensor([0, L - 1, 2, L - T], dtype=torch.int32, device=DEVICE)[:, None]
+    return pool
+
+
+def _raw_tokens(gate, B, T, H, HV, K, V, seed):
+    """Raw inputs of a T-token packed call: ``mixed_qkv`` ``[B, T, D]`` a view of a wider buffer (row and token
+    strides past ``T D`` and ``D``, as an engine's slice of a larger projection), ``a``, ``b`` ``[B, T, ...]``."""
+    mixed, a, b, A_log, dt_bias = _raw(gate, B * T, H, HV, K, V, seed=seed)
+    D = mixed.shape[1]
+    wide = torch.full((B, T, D + 8), float("nan"), device=DEVICE)
+    wide[..., :D] = mixed.view(B, T, D)
+    return wide[..., :D], a.unflatten(0, (B, T)), b.unflatten(0, (B, T)), A_log, dt_bias
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("gate,lower_bound", GATES, ids=GATE_IDS)
+def test_step_packed_tokens_is_step(gate, lower_bound, backend):
+    """T = 3 tokens a row (``mixed_qkv [B, T, D]``): ``step_packed`` gives the T-token ``leapquant.step``'s output and
+    pool bytes (history included) bit for bit, fed the views of ``mixed_qkv`` and the gates computed apart (the
+    workspace holds row n T + t's; torch's on the reference, the Triton gate kernel's within :func:`_g_ulps` of
+    torch's); a padding row gets 0 and its NaN inputs are not read; a second call with ``num_accepted`` is ``accept``
+    and then that call."""
+    H, HV, K, V, L, T = 1, 2, 64, 64, 8, 3
+    pool, other = (_tokens_pool(gate, HV, K, V, L, T, seed=31) for _ in range(2))
+    idx = torch.tensor([2, 1, 0, 4, 3], dtype=torch.int32, device=DEVICE)  # row 2 pads
+    B = idx.numel()
+    real = (idx != 0).repeat_interleave(T)
+    n = torch.tensor([1, 3, 0, 0, 2], dtype=torch.int32, device=DEVICE)
+    for call, accepted in enumerate((None, n)):
+        mixed, a, b, A_log, dt_bias = _raw_tokens(gate, B, T, H, HV, K, V, seed=40 + call)
+        a[2] = float("nan")
+        b[2] = float("nan")
+        out = torch.full((B, T, HV, V), float("nan"), device=DEVICE)
+        ws = packed.packed_workspace(pool, B * T)
+        a_in = a.flatten(-2) if gate == "kda" and call else a  # KDA's flat [B, T, HV * K] form too
+        o = leapquant.step_packed(pool, idx, mixed, a_in, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                  use_qk_l2norm=True, out=out, workspace=ws, backend=backend, check=True,
+                                  num_accepted=accepted)
+        assert o.data_ptr() == out.data_ptr() and o.shape == (B, T, HV, V)
+        a_rows = a.flatten(0, 1)
+        g, beta = packed.packed_gates(gate, a_rows, b.flatten(0, 1), A_log, dt_bias, lower_bound)
+        ulps = _g_ulps(a_rows, A_log, dt_bias, lower_bound) if backend == "triton" else 0
+        assert bool((_spacings(ws.g, g)[real] <= (ulps[real] if isinstance(ulps, torch.Tensor) else ulps)).all())
+        assert int(_spacings(ws.beta[real], beta[real]).max()) <= (GATE_ULPS if backend == "triton" else 0)
+        if backend == "triton" and DEVICE == "cpu":
+            g, beta = ws.g.clone(), ws.beta.clone()
+        q, k, v = packed.split_qkv(mixed, H, K, HV, V)
+        if accepted is not None:
+            leapquant.accept(other, idx, accepted, backend=backend)
+        want = leapquant.step(other, idx, q, k, v, g.unflatten(0, (B, T)), beta.unflatten(0, (B, T)),
+                              use_qk_l2norm=True, backend=backend)
+        assert torch.equal(o, want)
+        assert bool((o[2] == 0).all())
+        for name, bytes_ in parity.snapshot(other).items():
+            assert torch.equal(parity.snapshot(pool)[name], bytes_), name
+        for name in ("start", "count", "pcum", "w"):
+            assert torch.equal(getattr(pool.history, name), getattr(other.history, name)), name
+    # one token with the last call's acceptance (the fused step on the Triton backend): accept, then that step
+    mixed, a, b, A_log, dt_bias = _raw(gate, B, H, HV, K, V, seed=50)
+    n = torch.tensor([2, 0, 0, 3, 1], dtype=torch.int32, device=DEVICE)
+    o = leapquant.step_packed(pool, idx, mixed, a, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                              backend=backend, num_accepted=n)
+    leapquant.accept(other, idx, n, backend=backend)
+    want = leapquant.step_packed(other, idx, mixed, a, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                 backend=backend)
+    assert torch.equal(o, want)
+    for name, bytes_ in parity.snapshot(other).items():
+        assert torch.equal(parity.snapshot(pool)[name], bytes_), name
+
+
+def test_step_packed_tokens_bad_input():
+    """A T-token call's ``a`` or ``b`` of another T, and a workspace of B rows instead of B T, are refused by name
+    before the pool is written."""
+    pool = _tokens_pool("kda", 2, 64, 64, 8, 2, seed=3)
+    before = parity.snapshot(pool)
+    idx = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE)
+    mixed, a, b, A_log, dt_bias = _raw_tokens("kda", 2, 2, 1, 2, 64, 64, seed=5)
+    kw = dict(A_log=A_log, dt_bias=dt_bias, backend="reference")
+    with pytest.raises(ValueError, match=r"\ba must be \[B, T, \.\.\.\] with B = 2 rows and T = 2 tokens"):
+        leapquant.step_packed(pool, idx, mixed, a[:, :1], b, **kw)
+    with pytest.raises(ValueError, match=r"\bb must be \[B, T, \.\.\.\]"):
+        leapquant.step_packed(pool, idx, mixed, a, b[:, 0], **kw)
+    with pytest.raises(ValueError, match=r"workspace.g must have shape \[4, 2, 64\]"):
+        leapquant.step_packed(pool, idx, mixed, a, b, workspace=packed.packed_workspace(pool, 2), **kw)
+    for name, b_ in before.items():
+        assert torch.equal(parity.snapshot(pool)[name], b_), name
 
 
 # --- bad input ---------------------------------------------------------------------------------------------------
