@@ -290,18 +290,9 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
     H = packed_heads(pool, mixed_qkv.shape[1])
     q, k, v = split_qkv(mixed_qkv, H, pool.head_k, pool.heads, pool.head_v)
     compiling = torch.compiler.is_compiling()
-    if workspace is not None:
-        inputs = None if compiling else spans({"idx": idx, "mixed_qkv": mixed_qkv, "a": a, "b": b, "A_log": A_log,
-                                               "dt_bias": dt_bias,
-                                               "out": out if isinstance(out, torch.Tensor) else None})
-        workspace = _check_workspace(pool, workspace, B, inputs)
-    chosen = None
+    workspace, chosen = _checks_and_backend(pool, idx, 1, mixed_qkv, a, b, A_log, dt_bias, a, b, out, workspace,
+                                            backend, check)
     if not compiling:
-        for name, t in (("mixed_qkv", mixed_qkv), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
-            check_in_storage(t, name)
-        if check:
-            _check_packed_values(pool, idx, a, b, A_log, dt_bias)
-        chosen = resolve(backend, pool, "step")
         backend = chosen.name
     if num_accepted is not None:  # the previous call's acceptance first, as step applies it
         accept(pool, idx, num_accepted, check=check, backend=backend)
@@ -318,6 +309,27 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
                beta)
     return step(pool, idx, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out, backend=backend,
                 check=check)
+
+
+def _checks_and_backend(pool: Pool, idx, T: int, mixed_qkv, a, b, A_log, dt_bias, a_rows, b_rows, out, workspace,
+                        backend, check: bool) -> tuple:
+    """What :func:`step_packed` checks after its inputs' metadata, for T tokens a row: the workspace (``B T`` rows)
+    apart from the pool and every input, the inputs inside their storage, with ``check`` the gate inputs' values
+    (``a_rows``, ``b_rows``: row ``n T + t`` row n's token t); then the backend. Returns ``(workspace, backend)``,
+    the backend None under ``torch.compile`` (which resolves it in the op), where addresses are not checked."""
+    compiling = torch.compiler.is_compiling()
+    named = {"mixed_qkv": mixed_qkv, "a": a, "b": b, "A_log": A_log, "dt_bias": dt_bias}
+    if workspace is not None:
+        inputs = None if compiling else spans({"idx": idx, **named,
+                                               "out": out if isinstance(out, torch.Tensor) else None})
+        workspace = _check_workspace(pool, workspace, idx.numel() * T, inputs)
+    if compiling:
+        return workspace, None
+    for name, t in named.items():
+        check_in_storage(t, name)
+    if check:
+        _check_packed_values(pool, idx if T == 1 else idx.repeat_interleave(T), a_rows, b_rows, A_log, dt_bias)
+    return workspace, resolve(backend, pool, "step")
 
 
 def _packed_tokens(mixed_qkv, B: int) -> int:
@@ -348,18 +360,10 @@ def _step_packed_tokens(pool: Pool, idx, T: int, mixed_qkv, a, b, A_log, dt_bias
     q, k, v = split_qkv(mixed_qkv, H, pool.head_k, pool.heads, pool.head_v)
     a_rows, b_rows = a.reshape((rows,) + tuple(a1.shape[1:])), b.reshape(rows, pool.heads)  # row n T + t
     compiling = torch.compiler.is_compiling()
-    if workspace is not None:
-        inputs = None if compiling else spans({"idx": idx, "mixed_qkv": mixed_qkv, "a": a, "b": b, "A_log": A_log,
-                                               "dt_bias": dt_bias,
-                                               "out": out if isinstance(out, torch.Tensor) else None})
-        workspace = _check_workspace(pool, workspace, rows, inputs)
+    workspace, chosen = _checks_and_backend(pool, idx, T, mixed_qkv, a, b, A_log, dt_bias, a_rows, b_rows, out,
+                                            workspace, backend, check)
     gates = _torch_gates
     if not compiling:
-        for name, t in (("mixed_qkv", mixed_qkv), ("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
-            check_in_storage(t, name)
-        if check:
-            _check_packed_values(pool, idx.repeat_interleave(T), a_rows, b_rows, A_log, dt_bias)
-        chosen = resolve(backend, pool, "step")
         backend = chosen.name
         gates = getattr(chosen, "packed_gates", None) or _torch_gates
     g, beta = packed_workspace(pool, rows) if workspace is None else workspace
