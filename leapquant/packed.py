@@ -283,30 +283,32 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
     B = idx.numel()
     T = _packed_tokens(mixed_qkv, B)
     if T > 1:
-        return _step_packed_tokens(pool, idx, T, mixed_qkv, a, b, A_log, dt_bias, lower_bound, scale, use_qk_l2norm,
-                                   out, workspace, backend, check, num_accepted)
-    mixed_qkv, a, b, A_log, dt_bias = check_packed_inputs(pool, B, mixed_qkv, a, b, A_log, dt_bias)
+        mixed_qkv, a_rows, b_rows, A_log, dt_bias = _token_inputs(pool, B, T, mixed_qkv, a, b, A_log, dt_bias)
+    else:
+        mixed_qkv, a, b, A_log, dt_bias = check_packed_inputs(pool, B, mixed_qkv, a, b, A_log, dt_bias)
+        a_rows, b_rows = a, b
     lower_bound = check_lower_bound(pool, lower_bound)
-    H = packed_heads(pool, mixed_qkv.shape[1])
+    H = packed_heads(pool, mixed_qkv.shape[-1])
     q, k, v = split_qkv(mixed_qkv, H, pool.head_k, pool.heads, pool.head_v)
-    compiling = torch.compiler.is_compiling()
-    workspace, chosen = _checks_and_backend(pool, idx, 1, mixed_qkv, a, b, A_log, dt_bias, a, b, out, workspace,
-                                            backend, check)
-    if not compiling:
+    workspace, chosen = _checks_and_backend(pool, idx, T, mixed_qkv, a, b, A_log, dt_bias, a_rows, b_rows, out,
+                                            workspace, backend, check)
+    if chosen is not None:
         backend = chosen.name
     if num_accepted is not None:  # the previous call's acceptance first, as step applies it
         accept(pool, idx, num_accepted, check=check, backend=backend)
-    if not compiling:
-        if fused and getattr(chosen, "step_packed", None) is not None:
-            return _step_packed_fused(pool, chosen, idx, q, k, v, a, b, A_log, dt_bias, lower_bound,
-                                      torch.float32 if workspace is None else workspace.beta.dtype, scale,
-                                      use_qk_l2norm, out, check)
-    g, beta = packed_workspace(pool, B) if workspace is None else workspace
-    if compiling:
-        _torch_gates(pool, a, b, A_log, dt_bias, lower_bound, g, beta)
+    if T == 1 and fused and getattr(chosen, "step_packed", None) is not None:
+        return _step_packed_fused(pool, chosen, idx, q, k, v, a, b, A_log, dt_bias, lower_bound,
+                                  torch.float32 if workspace is None else workspace.beta.dtype, scale,
+                                  use_qk_l2norm, out, check)
+    # apart: the gates of every (row, token) into the workspace (row n T + t), then the step on them
+    g, beta = packed_workspace(pool, B * T) if workspace is None else workspace
+    gates = getattr(chosen, "packed_gates", None) or _torch_gates
+    if chosen is None:  # under torch.compile: the torch formulas, traced
+        gates(pool, a_rows, b_rows, A_log, dt_bias, lower_bound, g, beta)
     else:
-        launch(pool, getattr(chosen, "packed_gates", None) or _torch_gates, a, b, A_log, dt_bias, lower_bound, g,
-               beta)
+        launch(pool, gates, a_rows, b_rows, A_log, dt_bias, lower_bound, g, beta)
+    if T > 1:
+        g, beta = g.unflatten(0, (B, T)), beta.unflatten(0, (B, T))
     return step(pool, idx, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out, backend=backend,
                 check=check)
 
@@ -341,38 +343,19 @@ def _packed_tokens(mixed_qkv, B: int) -> int:
     return 1
 
 
-def _step_packed_tokens(pool: Pool, idx, T: int, mixed_qkv, a, b, A_log, dt_bias, lower_bound, scale, use_qk_l2norm,
-                        out, workspace, backend, check: bool, num_accepted) -> torch.Tensor:
-    """:func:`step_packed` with T > 1 tokens a row: every token's inputs checked as one token's (the first token's
-    views carry the metadata all share), the gates of the ``B T`` (row, token) pairs computed apart, then the T-token
-    step on views of ``mixed_qkv``."""
-    B, rows = idx.numel(), idx.numel() * T
+def _token_inputs(pool: Pool, B: int, T: int, mixed_qkv, a, b, A_log, dt_bias) -> tuple:
+    """The metadata of a T-token packed call (T > 1): ``a`` and ``b`` ``[B, T, ...]``, and every token's inputs
+    checked as one token's (the first token's views carry the metadata all share). Returns ``(mixed_qkv, a_rows,
+    b_rows, A_log, dt_bias)``: ``a`` and ``b`` as ``B T`` gate rows, row ``n T + t`` row n's token t."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() < 3 or tuple(t.shape[:2]) != (B, T):
             raise ValueError(f"{name} must be [B, T, ...] with B = {B} rows and T = {T} tokens (as mixed_qkv), got "
                              f"{list(t.shape)}")
-    # one token's views: the dtype, device, width and channel stride every token shares
     _, a1, _, A_log, dt_bias = check_packed_inputs(pool, B, mixed_qkv[:, 0], a[:, 0], b[:, 0], A_log, dt_bias)
-    lower_bound = check_lower_bound(pool, lower_bound)
-    H = packed_heads(pool, mixed_qkv.shape[-1])
-    q, k, v = split_qkv(mixed_qkv, H, pool.head_k, pool.heads, pool.head_v)
-    a_rows, b_rows = a.reshape((rows,) + tuple(a1.shape[1:])), b.reshape(rows, pool.heads)  # row n T + t
-    compiling = torch.compiler.is_compiling()
-    workspace, chosen = _checks_and_backend(pool, idx, T, mixed_qkv, a, b, A_log, dt_bias, a_rows, b_rows, out,
-                                            workspace, backend, check)
-    gates = _torch_gates
-    if not compiling:
-        backend = chosen.name
-        gates = getattr(chosen, "packed_gates", None) or _torch_gates
-    g, beta = packed_workspace(pool, rows) if workspace is None else workspace
-    if compiling:
-        gates(pool, a_rows, b_rows, A_log, dt_bias, lower_bound, g, beta)
-    else:
-        launch(pool, gates, a_rows, b_rows, A_log, dt_bias, lower_bound, g, beta)
-    return step(pool, idx, q, k, v, g.unflatten(0, (B, T)), beta.unflatten(0, (B, T)), scale=scale,
-                use_qk_l2norm=use_qk_l2norm, out=out, backend=backend, check=check, num_accepted=num_accepted)
+    rows = B * T
+    return mixed_qkv, a.reshape((rows,) + tuple(a1.shape[1:])), b.reshape(rows, pool.heads), A_log, dt_bias
 
 
 def _step_packed_fused(pool: Pool, chosen, idx, q, k, v, a, b, A_log, dt_bias, lower_bound, beta_dtype, scale,
