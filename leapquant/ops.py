@@ -211,6 +211,22 @@ def _tokens_per_row(q, B: int) -> int:
 
 def _step_tokens(pool: Pool, idx, T: int, q, k, v, g, beta, scale, use_qk_l2norm, out, backend, check):
     """:func:`step` with T > 1 tokens per row (SPEC §6.1): the checks of every token's tensors, then the backend."""
+    eager = not torch.compiler.is_compiling()  # compiled, the op checks the pool, memory and values when it runs
+    out, scale = tokens_operands(pool, idx, T, q, k, v, g, beta, scale, out, check, eager=eager)
+    if eager:
+        _launch_tokens(pool, idx, q, k, v, g, beta, scale, bool(use_qk_l2norm), out, backend)
+    else:
+        torch.ops.leapquant.step_tokens(*op_args(pool, idx, backend)[:-1], *_history_args(pool), q, k, v, g, beta,
+                                        out, scale, bool(use_qk_l2norm), backend, check=bool(check),
+                                        layout=pool.layout)
+    return out
+
+
+def tokens_operands(pool: Pool, idx: torch.Tensor, T: int, q, k, v, g, beta, scale, out, check: bool,
+                    values: bool = True, eager: bool = True):
+    """The checks of a T-token :func:`step` (T > 1) in their order (``eager``: the pool and ``idx``; T against the
+    ring and the history; the token tensors' forms, every token's shapes, dtypes and strides, ``scale``; ``eager``:
+    every token's memory, with ``check`` and ``values`` its values): ``(out, scale)``, ``out`` allocated where None."""
     L = pool.ring
     if T > L // 2:
         raise ValueError(f"a step takes at most L / 2 = {L // 2} tokens per row (ring {L}), got T = {T}")
@@ -218,7 +234,6 @@ def _step_tokens(pool: Pool, idx, T: int, q, k, v, g, beta, scale, use_qk_l2norm
         raise ValueError(f"the pool keeps history for {pool.history.max_tokens} tokens per row (Pool(max_tokens=...)),"
                          f" got T = {T}")
     B = idx.numel()
-    eager = not torch.compiler.is_compiling()  # compiled, the op checks the pool, memory and values when it runs
     if eager:
         _check_call(pool, idx, check)
     gdims = 4 if pool.gate == "kda" else 3
@@ -235,16 +250,10 @@ def _step_tokens(pool: Pool, idx, T: int, q, k, v, g, beta, scale, use_qk_l2norm
     for t in range(T):  # each token's tensors as one token's: shapes, dtypes, strides
         check_step_inputs(pool, *(x[:, t] for x in (q, k, v, g, beta)), None if out is None else out[:, t])
     if eager:  # the memory checks see out as the caller gave it (None: the step allocates it)
-        _check_tokens(pool, idx, q, k, v, g, beta, out, check)
+        _check_tokens(pool, idx, q, k, v, g, beta, out, check and values)
     if out is None:
         out = torch.empty(B, T, pool.heads, pool.head_v, dtype=q.dtype, device=pool.device)
-    if eager:
-        _launch_tokens(pool, idx, q, k, v, g, beta, scale, bool(use_qk_l2norm), out, backend)
-    else:
-        torch.ops.leapquant.step_tokens(*op_args(pool, idx, backend)[:-1], *_history_args(pool), q, k, v, g, beta,
-                                        out, scale, bool(use_qk_l2norm), backend, check=bool(check),
-                                        layout=pool.layout)
-    return out
+    return out, scale
 
 
 def _check_tokens(pool: Pool, idx: torch.Tensor, q, k, v, g, beta, out, check: bool) -> None:

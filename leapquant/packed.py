@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .checks import (STEP_DTYPES, check_apart, check_finite, check_idx_layout, check_in_storage, check_step_values, spans,
                      token_rows)
-from .ops import BackendName, accept, check_pool_type, step, step_operands
+from .ops import BackendName, accept, check_pool_type, step, step_operands, tokens_operands
 from .pool import Pool
 from .registry import launch, resolve
 
@@ -253,16 +253,15 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
         workspace: where the gates go when they are computed apart (:func:`packed_workspace`); default new buffers
             (``torch.empty``; none on the fused path). Pass one to keep a CUDA graph free of allocations; its ``beta``
             dtype is what beta is rounded to, on the fused path too (which reads only that dtype of it).
-        fused: compute the gates inside the step kernel where the backend can (Triton, one token a row); False:
-            apart, into ``workspace``, then the step (two launches; the same bytes).
+        fused: compute the gates inside the step kernel where the backend can (Triton); False: apart, into
+            ``workspace``, then the step (one more launch; the same bytes).
         num_accepted: as for :func:`leapquant.step`: int32 ``[B]``, the previous call's accepted tokens per row,
             applied first (:func:`leapquant.accept`).
 
     T tokens a row (SPEC §6.1, §6.2): ``mixed_qkv`` ``[B, T, D]`` with T > 1, ``a`` ``[B, T, HV]`` (GDN) or ``[B, T,
     HV, K]`` / ``[B, T, HV * K]`` (KDA), ``b`` ``[B, T, HV]``, ``out`` and the result ``[B, T, HV, V]``; ``workspace``
-    then holds ``B * T`` rows (``packed_workspace(pool, B * T)``), row ``n T + t`` the gates of row n's token t. The
-    gates are computed apart (the gate kernel on the Triton backend), then :func:`leapquant.step` runs the T tokens
-    on views of ``mixed_qkv``.
+    then holds ``B * T`` rows (``packed_workspace(pool, B * T)``), row ``n T + t`` the gates of row n's token t,
+    where the gates are computed apart; the Triton step computes them token by token in the T-token step's launches.
 
     With ``check=False`` nothing synchronises with the host and the Triton path allocates nothing but ``out`` when it
     is not given (and a default workspace with ``fused=False``): graph-capturable. Under ``torch.compile`` the gates
@@ -283,7 +282,7 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
     B = idx.numel()
     T = _packed_tokens(mixed_qkv, B)
     if T > 1:
-        mixed_qkv, a_rows, b_rows, A_log, dt_bias = _token_inputs(pool, B, T, mixed_qkv, a, b, A_log, dt_bias)
+        mixed_qkv, a, a_rows, b_rows, A_log, dt_bias = _token_inputs(pool, B, T, mixed_qkv, a, b, A_log, dt_bias)
     else:
         mixed_qkv, a, b, A_log, dt_bias = check_packed_inputs(pool, B, mixed_qkv, a, b, A_log, dt_bias)
         a_rows, b_rows = a, b
@@ -296,8 +295,8 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
         backend = chosen.name
     if num_accepted is not None:  # the previous call's acceptance first, as step applies it
         accept(pool, idx, num_accepted, check=check, backend=backend)
-    if T == 1 and fused and getattr(chosen, "step_packed", None) is not None:
-        return _step_packed_fused(pool, chosen, idx, q, k, v, a, b, A_log, dt_bias, lower_bound,
+    if fused and getattr(chosen, "step_packed", None) is not None:
+        return _step_packed_fused(pool, chosen, idx, T, q, k, v, a, b, A_log, dt_bias, lower_bound,
                                   torch.float32 if workspace is None else workspace.beta.dtype, scale,
                                   use_qk_l2norm, out, check)
     # apart: the gates of every (row, token) into the workspace (row n T + t), then the step on them
@@ -345,8 +344,9 @@ def _packed_tokens(mixed_qkv, B: int) -> int:
 
 def _token_inputs(pool: Pool, B: int, T: int, mixed_qkv, a, b, A_log, dt_bias) -> tuple:
     """The metadata of a T-token packed call (T > 1): ``a`` and ``b`` ``[B, T, ...]``, and every token's inputs
-    checked as one token's (the first token's views carry the metadata all share). Returns ``(mixed_qkv, a_rows,
-    b_rows, A_log, dt_bias)``: ``a`` and ``b`` as ``B T`` gate rows, row ``n T + t`` row n's token t."""
+    checked as one token's (the first token's views carry the metadata all share). Returns ``(mixed_qkv, a, a_rows,
+    b_rows, A_log, dt_bias)``: ``a`` in its ``[B, T, ...]`` form (KDA's ``[B, T, HV, K]``, a view), ``a`` and ``b``
+    as ``B T`` gate rows, row ``n T + t`` row n's token t."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -354,20 +354,24 @@ def _token_inputs(pool: Pool, B: int, T: int, mixed_qkv, a, b, A_log, dt_bias) -
             raise ValueError(f"{name} must be [B, T, ...] with B = {B} rows and T = {T} tokens (as mixed_qkv), got "
                              f"{list(t.shape)}")
     _, a1, _, A_log, dt_bias = check_packed_inputs(pool, B, mixed_qkv[:, 0], a[:, 0], b[:, 0], A_log, dt_bias)
+    a = a.unflatten(-1, tuple(a1.shape[-2:])) if a.dim() == 3 and a1.dim() == 3 else a  # KDA's flat form
     rows = B * T
-    return mixed_qkv, a.reshape((rows,) + tuple(a1.shape[1:])), b.reshape(rows, pool.heads), A_log, dt_bias
+    return mixed_qkv, a, a.reshape((rows,) + tuple(a1.shape[1:])), b.reshape(rows, pool.heads), A_log, dt_bias
 
 
-def _step_packed_fused(pool: Pool, chosen, idx, q, k, v, a, b, A_log, dt_bias, lower_bound, beta_dtype, scale,
-                       use_qk_l2norm, out, check: bool) -> torch.Tensor:
-    """:func:`step_packed` on a backend whose step computes the gates (``chosen.step_packed``): ``step``'s checks with
-    ``a`` and ``b`` in the places of ``g`` and ``beta`` (their shapes and dtypes are those; ``out`` first checked
-    apart from every raw input, so that an overlap is named as such), with ``check`` the gates' values computed in
-    torch (bit for bit the kernel's on a GPU) held to ``step``'s range, then one launch."""
+def _step_packed_fused(pool: Pool, chosen, idx, T: int, q, k, v, a, b, A_log, dt_bias, lower_bound, beta_dtype,
+                       scale, use_qk_l2norm, out, check: bool) -> torch.Tensor:
+    """:func:`step_packed` on a backend whose step computes the gates (``chosen.step_packed``), T tokens a row:
+    ``step``'s checks with ``a`` and ``b`` in the places of ``g`` and ``beta`` (their shapes and dtypes are those;
+    ``out`` first checked apart from every raw input, so that an overlap is named as such), with ``check`` the gates'
+    values computed in torch (bit for bit the kernel's on a GPU) held to ``step``'s range, then the step's launches."""
     if isinstance(out, torch.Tensor):
         check_apart(out, "out", spans({"a": a, "b": b, "A_log": A_log, "dt_bias": dt_bias}),
                     "step_packed writes out while it reads its inputs")
-    q, k, v, a, b, o, scale = step_operands(pool, idx, q, k, v, a, b, scale, out, check, values=False)
+    if T == 1:
+        q, k, v, a, b, o, scale = step_operands(pool, idx, q, k, v, a, b, scale, out, check, values=False)
+    else:
+        o, scale = tokens_operands(pool, idx, T, q, k, v, a, b, scale, out, check, values=False)
     if check:
         g, beta = packed_gates(pool.gate, a, b, A_log, dt_bias, lower_bound)
         check_step_values(pool, idx, q, k, v, g, beta.to(beta_dtype))

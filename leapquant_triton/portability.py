@@ -72,6 +72,10 @@ STEP_GLUON = "step-gluon"
 # the same kernels as ``step_packed`` launches them: one token, the gates computed in the prologue (SPEC §6.2)
 STEP_PACKED = "step-packed"
 STEP_GLUON_PACKED = "step-gluon-packed"
+# and as it launches them for T tokens a row (as many as a launch takes), with the history
+STEP_PACKED_TOKENS = "step-packed-tokens"
+STEP_GLUON_PACKED_TOKENS = "step-gluon-packed-tokens"
+PACKED_BUILDS = (STEP_PACKED, STEP_GLUON_PACKED, STEP_PACKED_TOKENS, STEP_GLUON_PACKED_TOKENS)
 # the states builds: each kernel with the V-first state and (-kv) FLA's [K, V] one
 STATES = tuple(f"{which}{lay}" for which in STATES_KERNELS for lay in ("", "-kv"))
 # the forced flush's build (FORCE: partially filled rings, SPEC §2; the grid schedule only)
@@ -80,7 +84,7 @@ FORCED = ("grid-force",)
 # (§5.3)
 ENGINE = ("accept", "gates", "copy")
 # the builds of each op, as --ops selects them
-OPS = {"flush": SCHEDULES, "force": FORCED, "step": (STEP, STEP_GLUON), "packed": (STEP_PACKED, STEP_GLUON_PACKED),
+OPS = {"flush": SCHEDULES, "force": FORCED, "step": (STEP, STEP_GLUON), "packed": PACKED_BUILDS,
        "states": STATES, "engine": ENGINE}
 
 
@@ -189,9 +193,9 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
     kernels (``kernel="step"``, ``"step-gluon"``: :func:`compile_step`) or a states kernel (``kernel`` in
     :data:`STATES`: :func:`compile_states`), for ``sm_<arch>`` at ``shape`` and check it against the architecture's
     limits."""
-    if kernel in (STEP, STEP_GLUON, STEP_PACKED, STEP_GLUON_PACKED):
-        return compile_step(arch, shape, num_warps, gluon=kernel in (STEP_GLUON, STEP_GLUON_PACKED),
-                            packed=kernel in (STEP_PACKED, STEP_GLUON_PACKED))
+    if kernel in (STEP, STEP_GLUON) + PACKED_BUILDS:
+        return compile_step(arch, shape, num_warps, gluon="gluon" in kernel, packed=kernel in PACKED_BUILDS,
+                            tokens=None if kernel.endswith("-tokens") else 1)
     if kernel in STATES:
         return compile_states(arch, shape, kernel.removesuffix("-kv"), not kernel.endswith("-kv"))
     if kernel in ENGINE:
@@ -217,16 +221,21 @@ def compile_one(arch: int, shape: Shape, kernel: str = "grid", num_warps: int | 
 
 
 def compile_step(arch: int, shape: Shape, num_warps: int | None = None, gluon: bool = False,
-                 packed: bool = False) -> Report:
+                 packed: bool = False, tokens: int | None = 1) -> Report:
     """Compile a step kernel (q / k l2-normalised: the larger build) as :func:`.step.step_pool` launches it for
     ``sm_<arch>`` at ``shape`` (:func:`.step.step_build`). ``gluon`` False: from sm_80
     :func:`.step_kernel.leapquant_step_kernel`, its int8 and bf16 products as ``mma.sync``; on sm_75
     :func:`.step_kernel.leapquant_step_fma_kernel`, no tensor cores. True: :mod:`.step_gluon`'s kernel (``mma.sync``,
     its explicit ``mma_v2``), claimed where :func:`.step.kernel_for` takes it; elsewhere not built. Never wgmma or
-    tcgen05. ``packed``: ``step_packed``'s build (one token, the softplus gates and a bf16 beta computed in the
-    prologue); else T = L / 2 tokens (at most what one launch of the kernel takes) with the history."""
+    tcgen05. ``packed``: ``step_packed``'s build (the softplus gates and a bf16 beta computed in the prologue) of
+    ``tokens`` tokens a row (None: as many as a launch takes, at most L / 2, with the history); else T = L / 2 tokens
+    (at most what one launch of the kernel takes) with the history."""
     geometry = _geometry(shape)
-    name = (STEP_GLUON_PACKED if packed else STEP_GLUON) if gluon else (STEP_PACKED if packed else STEP)
+    per_launch = min(shape.ring // 2, tokens_per_launch("gluon" if gluon else "mma") or shape.ring // 2)
+    if packed and tokens is None:
+        tokens = per_launch
+    name = ((STEP_GLUON_PACKED if gluon else STEP_PACKED) + ("-tokens" if tokens > 1 else "") if packed
+            else STEP_GLUON if gluon else STEP)
     if gluon:
         if arch < 80 or not gluon_shape(geometry) or gluon_kernel() is None:
             return Report(arch, shape, name, 0, ok=False, claim=False,
@@ -237,14 +246,13 @@ def compile_step(arch: int, shape: Shape, num_warps: int | None = None, gluon: b
         kernel, constexprs, options = step_build(geometry, FIRST_SLOT, True, arch, "fma" if arch < 80 else "mma")
         constexprs.update(NATIVE=True)
     pointers = dict(_STEP_POINTERS, **_HISTORY_POINTERS)
-    if packed:  # step_packed: one token, the gates from a, b (g's and beta's places), A_log and dt_bias
-        constexprs.update(HIST=False, HT=1, T=1, PACKED=1, BETA_ROUND=1, TOFF=0)
+    if packed:  # step_packed: the gates from a, b (g's and beta's places), A_log and dt_bias
+        constexprs.update(HIST=tokens > 1, HT=shape.ring // 2 + 1 if tokens > 1 else 1, T=tokens, PACKED=1,
+                          BETA_ROUND=1, TOFF=0)
         pointers.update(a_log="*fp32", dt_bias="*fp32")
     else:  # the larger build: T tokens per row with the history of SPEC §6.1 (at most L / 2 tokens, as many as a
         # launch of this kernel takes)
-        per_launch = tokens_per_launch("gluon" if gluon else "mma") or shape.ring // 2
-        constexprs.update(HIST=True, HT=shape.ring // 2 + 1, T=min(shape.ring // 2, per_launch), TOFF=0,
-                          **UNPACKED)
+        constexprs.update(HIST=True, HT=shape.ring // 2 + 1, T=per_launch, TOFF=0, **UNPACKED)
     if num_warps:
         options["num_warps"] = num_warps
     names = ("sq_n", "sq_h", "sk_n", "sk_h", "sv_n", "sv_h", "sg_n", "sg_h", "sb_n", "sb_h", "so_n", "so_h",
@@ -358,8 +366,8 @@ def _build(fn, signature: dict, constexprs: dict, pointers: dict, arch: int, opt
 
 def claimed(rep: Report) -> bool:
     """Whether the backend claims ``rep``'s build on its architecture (only claimed builds can fail the check)."""
-    return rep.claim and rep.arch in (STEP_CAPABILITIES if rep.kernel in (STEP, STEP_PACKED) + ENGINE
-                                      else SUPPORTED_CAPABILITIES)
+    step_claims = rep.kernel in (STEP, STEP_PACKED, STEP_PACKED_TOKENS) + ENGINE
+    return rep.claim and rep.arch in (STEP_CAPABILITIES if step_claims else SUPPORTED_CAPABILITIES)
 
 
 def check(archs=ARCHS, shapes=SHAPES, out=sys.stdout, ops=tuple(OPS)) -> list[Report]:

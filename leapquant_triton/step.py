@@ -181,9 +181,9 @@ def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """One decode token per row of ``idx`` (int32 ``[N]``) on ``pool`` in place, ``out`` written (SPEC §6); with
     token tensors of a token axis (``q`` ``[N, T, H, K]``, ..., ``out`` ``[N, T, HV, V]``), T tokens per row (SPEC
     §6.1: the rings that cannot hold T more flushed first, then the tokens one after the other, the checkpoint read
-    once per launch), and the pool's history written where it keeps one. ``packed`` (:func:`packed_args`, one token):
-    ``g`` and ``beta`` are ``step_packed``'s raw ``a`` (``[N, HV, K]`` / ``[N, HV]``) and ``b``, the gates computed
-    inside the step kernel.
+    once per launch), and the pool's history written where it keeps one. ``packed`` (:func:`packed_args`): ``g`` and
+    ``beta`` are ``step_packed``'s raw ``a`` (``[N, (T,) HV, K]`` / ``[N, (T,) HV]``) and ``b``, the gates computed
+    inside the step kernel, token by token.
 
     Flushes the full rings of ``idx`` first (:func:`.flush.flush_pool`; stream order makes the step see the new
     checkpoints), then launches the step kernel ``kernel`` (default :func:`kernel_for`; the tests run each) on grid
@@ -196,8 +196,6 @@ def step_pool(pool, idx: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if N == 0:
         return
     T = q.shape[1] if q.dim() == 4 else 1
-    if packed is not None and T > 1:
-        raise ValueError("step_packed's gates are computed in the kernel for one token per row")
     kernel = kernel or kernel_for(pool.geometry, device_capability(pool.raw.device))
     flush_pool(pool, idx, force=T if T > 1 else False)
     launch = _prepared(pool, use_qk_l2norm, kernel)

@@ -191,32 +191,15 @@ def _packed_gates(a, b, a_log, dt_bias, lower_bound, i_n64, i_hv, sa_n, sa_h, sb
 
 
 @gluon.jit
-def _token(q, k, g, beta, t, pc, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t, sk_h, sg_n, sg_t, sg_h, sb_n, sb_t,
-           sb_h, o_k, a_log, dt_bias, lower_bound, K: gl.constexpr, IS_KDA: gl.constexpr, USE_QK_L2NORM: gl.constexpr,
+def _token(q, k, g, beta, t, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t, sk_h, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h,
+           o_k, a_log, dt_bias, lower_bound, K: gl.constexpr, IS_KDA: gl.constexpr, USE_QK_L2NORM: gl.constexpr,
            PACKED: gl.constexpr, BETA_ROUND: gl.constexpr):
-    """Token t's inputs and gates: (k, q, beta, pcum after it, the checkpoint's decay e, the gate's factor: the fp16
-    exp(g) that gbuf stores (KDA) or exp(g) (GDN)), from ``pc``, the pcum before it (SPEC §6 step 2). ``PACKED``:
-    ``g`` and ``beta`` are ``step_packed``'s ``a`` and ``b`` (one token), the gates computed here
-    (:func:`_packed_gates`)."""
+    """Token t's inputs: (k, q, then :func:`_gate_inputs`' beta and log decay)."""
     kk, qq = _load_keys(k + i_n64 * sk_n + t * sk_t + i_h * sk_h, q + i_n64 * sq_n + t * sq_t + i_h * sq_h, o_k,
                         USE_QK_L2NORM)
-    if PACKED:
-        gp, b_beta = _packed_gates(g, beta, a_log, dt_bias, lower_bound, i_n64, i_hv, sg_n, sg_h, sb_n, o_k, K,
-                                   IS_KDA, PACKED, BETA_ROUND)
-    else:
-        b_beta = gl.load(beta + i_n64 * sb_n + t * sb_t + i_hv * sb_h).to(gl.float32)
-        p_g = g + i_n64 * sg_n + t * sg_t + i_hv * sg_h
-        if IS_KDA:
-            gp = gl.load(p_g + o_k).to(gl.float32)
-        else:
-            gp = gl.load(p_g).to(gl.float32)
-    if IS_KDA:
-        pc = pc + gp
-        return kk, qq, b_beta, pc, libdevice.exp(pc), libdevice.exp(gp).to(gl.float16)
-    else:
-        a_g = libdevice.exp(gp)
-        pc = pc * a_g
-        return kk, qq, b_beta, pc, gl.maximum(pc, PNMIN), a_g
+    b_beta, gp = _gate_inputs(g, beta, t, i_n64, i_hv, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, a_log, dt_bias,
+                              lower_bound, K, IS_KDA, PACKED, BETA_ROUND)
+    return kk, qq, b_beta, gp
 
 
 @gluon.jit
@@ -259,19 +242,41 @@ def _partials(x, R: gl.constexpr, K: gl.constexpr, KPT: gl.constexpr):
 
 
 @gluon.jit
-def _gates(g, beta, t, pc, i_n64, i_hv, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, IS_KDA: gl.constexpr):
-    """Token t's beta, pcum after it, the checkpoint's decay e and the gate's factor (:func:`_token` without the
-    keys)."""
-    b_beta = gl.load(beta + i_n64 * sb_n + t * sb_t + i_hv * sb_h).to(gl.float32)
-    p_g = g + i_n64 * sg_n + t * sg_t + i_hv * sg_h
-    if IS_KDA:
-        gg = gl.load(p_g + o_k).to(gl.float32)
-        pc = pc + gg
-        return b_beta, pc, libdevice.exp(pc), libdevice.exp(gg).to(gl.float16)
+def _gate_inputs(g, beta, t, i_n64, i_hv, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, a_log, dt_bias, lower_bound,
+                 K: gl.constexpr, IS_KDA: gl.constexpr, PACKED: gl.constexpr, BETA_ROUND: gl.constexpr):
+    """Token t's (beta, log decay: [K] for KDA, GDN a scalar), loaded; ``PACKED``: ``g`` and ``beta`` are
+    ``step_packed``'s ``a`` and ``b``, the gates computed here (:func:`_packed_gates`)."""
+    if PACKED:
+        gp, b_beta = _packed_gates(g + t * sg_t, beta + t * sb_t, a_log, dt_bias, lower_bound, i_n64, i_hv, sg_n,
+                                   sg_h, sb_n, o_k, K, IS_KDA, PACKED, BETA_ROUND)
     else:
-        a_g = libdevice.exp(gl.load(p_g).to(gl.float32))
+        b_beta = gl.load(beta + i_n64 * sb_n + t * sb_t + i_hv * sb_h).to(gl.float32)
+        p_g = g + i_n64 * sg_n + t * sg_t + i_hv * sg_h
+        if IS_KDA:
+            gp = gl.load(p_g + o_k).to(gl.float32)
+        else:
+            gp = gl.load(p_g).to(gl.float32)
+    return b_beta, gp
+
+
+@gluon.jit
+def _decays(gp, pc, IS_KDA: gl.constexpr):
+    """From a token's log decay ``gp`` and ``pc``, the pcum before it: (pcum after it, the checkpoint's decay e, the
+    gate's factor: the fp16 exp(g) that gbuf stores (KDA) or exp(g) (GDN)) (SPEC §6 step 2)."""
+    if IS_KDA:
+        pc = pc + gp
+        return pc, libdevice.exp(pc), libdevice.exp(gp).to(gl.float16)
+    else:
+        a_g = libdevice.exp(gp)
         pc = pc * a_g
-        return b_beta, pc, gl.maximum(pc, PNMIN), a_g
+        return pc, gl.maximum(pc, PNMIN), a_g
+
+
+@gluon.jit
+def _pick(x, o_t, t):
+    """Element t of ``x`` [TP] (every thread all of them): a thread-local sum of it and zeros (exact for what is
+    picked here, which is never -0)."""
+    return gl.sum(gl.where(o_t == t, x, 0.0), axis=0)
 
 
 @gluon.jit
@@ -284,8 +289,7 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
                                 BETA_ROUND: gl.constexpr, TOFF: gl.constexpr, NW: gl.constexpr):
     """T tokens into the ring of (idx[n], hv), one after the other, and ``out[n, t, hv] = scale S_t q_t``; grid
     (N, HV), ``NW`` warps. The arguments are :func:`.step_kernel.leapquant_step_kernel`'s (``NW``: its
-    ``num_warps``; ``PACKED`` with one token only)."""
-    gl.static_assert(PACKED == 0 or T == 1, "step_packed's gates are computed for one token per row")
+    ``num_warps``)."""
     KPT: gl.constexpr = K // (32 * NW)
     KT: gl.constexpr = K // KPT  # the threads over the channels
     BR: gl.constexpr = 4
@@ -380,21 +384,42 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
     # own channels: no barrier)
     pc = pc0
     if T == 1:
-        kk, qq, b_beta, pc, e, gx = _token(q, k, g, beta, 0, pc, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t, sk_h,
-                                           sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, a_log, dt_bias, lower_bound, K,
-                                           IS_KDA, USE_QK_L2NORM, PACKED, BETA_ROUND)
+        kk, qq, b_beta, gp = _token(q, k, g, beta, 0, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t, sk_h, sg_n,
+                                    sg_t, sg_h, sb_n, sb_t, sb_h, o_k, a_log, dt_bias, lower_bound, K, IS_KDA,
+                                    USE_QK_L2NORM, PACKED, BETA_ROUND)
+        pc, e, gx = _decays(gp, pc, IS_KDA)
         dk, dq = _checkpoint_products(a, kk, qq, e, sk, V, mma, lb, pl, ch, NW)
     else:
         ts = gl.allocate_shared_memory(gl.float32, [4 * TP, K], flat1)
+        if PACKED:  # the computed gates are parked for phase two: computed again there, they spill
+            o_tg = gl.arange(0, TP, layout=tv)
+            bt = gl.zeros([TP], gl.float32, layout=tv)  # beta
+            if IS_KDA:
+                gs = gl.allocate_shared_memory(gl.float32, [TP, K], flat1)  # the log decays
+            else:
+                at = gl.zeros([TP], gl.float32, layout=tv)  # exp(g)
         for t in range(T):  # a loop, not unrolled: unrolled, the tokens' products are scheduled side by side
-            kk, qq, b_beta, pc, e, gx = _token(q, k, g, beta, t, pc, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t,
-                                               sk_h, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, a_log, dt_bias,
-                                               lower_bound, K, IS_KDA, USE_QK_L2NORM, PACKED, BETA_ROUND)
+            kk, qq, b_beta, gp = _token(q, k, g, beta, t, i_n64, i_h, i_hv, sq_n, sq_t, sq_h, sk_n, sk_t, sk_h, sg_n,
+                                        sg_t, sg_h, sb_n, sb_t, sb_h, o_k, a_log, dt_bias, lower_bound, K, IS_KDA,
+                                        USE_QK_L2NORM, PACKED, BETA_ROUND)
+            pc, e, gx = _decays(gp, pc, IS_KDA)
             dk, dq = _checkpoint_products(a, kk, qq, e, sk, V, mma, lb, pl, ch, NW)
             ts.index(4 * t).store(kk)
             ts.index(4 * t + 1).store(qq)
             ts.index(4 * t + 2).store(dk)
             ts.index(4 * t + 3).store(dq)
+            if PACKED:
+                bt = gl.where(o_tg == t, b_beta, bt)
+                if IS_KDA:
+                    gs.index(t).store(gp)
+                else:
+                    at = gl.where(o_tg == t, gx, at)
+        if PACKED:  # the scalars too: held in registers through phase two, they spill
+            bs = gl.allocate_shared_memory(gl.float32, [TP], flat1)
+            bs.store(bt)
+            if not IS_KDA:
+                ats = gl.allocate_shared_memory(gl.float32, [TP], flat1)
+                ats.store(at)
 
     # the ring as the call found it, read once: its entries before j with their decays to the call (the products of
     # the gates after them; every token's own gate then multiplies in), the rank-R factors
@@ -466,7 +491,18 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
             qq2 = ts.index(4 * t + 1).load(ch)
             dk2 = ts.index(4 * t + 2).load(ch)
             dq2 = ts.index(4 * t + 3).load(ch)
-            b_beta, pc, e, gx = _gates(g, beta, t, pc, i_n64, i_hv, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, IS_KDA)
+            if PACKED:
+                b_beta = _pick(bs.load(tv), o_tg, t)
+                if IS_KDA:
+                    pc, e, gx = _decays(gs.index(t).load(ch), pc, IS_KDA)
+                else:
+                    gx = _pick(ats.load(tv), o_tg, t)
+                    pc = pc * gx
+                    e = gl.maximum(pc, PNMIN)
+            else:
+                b_beta, gp = _gate_inputs(g, beta, t, i_n64, i_hv, sg_n, sg_t, sg_h, sb_n, sb_t, sb_h, o_k, a_log,
+                                          dt_bias, lower_bound, K, IS_KDA, PACKED, BETA_ROUND)
+                pc, e, gx = _decays(gp, pc, IS_KDA)
         # the decays to this token: the ring's through the call's gates, the call's entries by this gate
         if IS_KDA:
             gxf = gx.to(gl.float32)

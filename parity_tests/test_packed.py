@@ -305,6 +305,35 @@ def test_fused_gates_are_the_gates_apart(gate, lower_bound, beta_dtype, shape):
         assert torch.equal(parity.snapshot(pool)[name], bytes_), name
 
 
+@pytest.mark.skipif(not TRITON, reason="the Triton backend is not available here")
+@pytest.mark.parametrize("T", [2, 4, 6])
+@pytest.mark.parametrize("gate,lower_bound", GATES, ids=GATE_IDS)
+def test_fused_gates_are_the_gates_apart_for_tokens(gate, lower_bound, T):
+    """As :func:`test_fused_gates_are_the_gates_apart` for T tokens a row at 128 x 128, ring 16 (the Gluon kernel's
+    shape on a GPU, which parks the gates it computed for its second phase; T = 6 is two launches of three): the
+    same output, pool bytes and history, bit for bit, beta rounded to bf16, the rings flushed first where they
+    cannot hold T more; grouped heads, bf16 tokens, a padding row."""
+    H, HV, K, L = 1, 2, 128, 16
+    pool, twin = (_tokens_pool(gate, HV, K, K, L, T, seed=13) for _ in range(2))
+    idx = torch.tensor([3, 0, 1, 2, 4], dtype=torch.int32, device=DEVICE)  # row 1 pads
+    B = idx.numel()
+    mixed, a, b, A_log, dt_bias = _raw_tokens(gate, B, T, H, HV, K, K, seed=14)
+    mixed = mixed.to(torch.bfloat16)
+    a[1] = float("nan")
+    outs = []
+    for p, fused in ((pool, True), (twin, False)):
+        ws = packed.packed_workspace(p, B * T, torch.bfloat16)
+        outs.append(leapquant.step_packed(p, idx, mixed, a, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                                          use_qk_l2norm=True, workspace=ws, backend="triton", check=False,
+                                          fused=fused))
+    assert outs[0].shape == (B, T, HV, K) and bool(outs[0].isfinite().all()) and bool((outs[0][1] == 0).all())
+    assert torch.equal(outs[0], outs[1])
+    for name, bytes_ in parity.snapshot(twin).items():
+        assert torch.equal(parity.snapshot(pool)[name], bytes_), name
+    for name in ("start", "count", "pcum", "w"):
+        assert torch.equal(getattr(pool.history, name), getattr(twin.history, name)), name
+
+
 @pytest.mark.parametrize("gate,lower_bound,H", [("kda", None, 2), ("kda", -5.0, 1), ("gdn", None, 1)])
 def test_step_packed_tracks_flas_recurrence(gate, lower_bound, H):
     """From the raw inputs of 20 tokens (a flush inside), the outputs track FLA's float64 recurrence fed FLA's naive
@@ -415,14 +444,19 @@ def _raw_tokens(gate, B, T, H, HV, K, V, seed):
     return wide[..., :D], a.unflatten(0, (B, T)), b.unflatten(0, (B, T)), A_log, dt_bias
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# (backend, fused): the reference computes the gates apart whatever ``fused`` says
+TOKEN_PATHS = [("reference", False)] + ([("triton", True), ("triton", False)] if TRITON else [])
+
+
+@pytest.mark.parametrize("backend,fused", TOKEN_PATHS, ids=[f"{b}-{'fused' if f else 'apart'}" for b, f in TOKEN_PATHS])
 @pytest.mark.parametrize("gate,lower_bound", GATES, ids=GATE_IDS)
-def test_step_packed_tokens_is_step(gate, lower_bound, backend):
+def test_step_packed_tokens_is_step(gate, lower_bound, backend, fused):
     """T = 3 tokens a row (``mixed_qkv [B, T, D]``): ``step_packed`` gives the T-token ``leapquant.step``'s output and
-    pool bytes (history included) bit for bit, fed the views of ``mixed_qkv`` and the gates computed apart (the
+    pool bytes (history included) bit for bit, fed the views of ``mixed_qkv`` and the gates: computed apart (the
     workspace holds row n T + t's; torch's on the reference, the Triton gate kernel's within :func:`_g_ulps` of
-    torch's); a padding row gets 0 and its NaN inputs are not read; a second call with ``num_accepted`` is ``accept``
-    and then that call."""
+    torch's), or by the Triton step kernel itself (``fused``: the workspace untouched, the gate kernel's functions);
+    a padding row gets 0 and its NaN inputs are not read; a second call with ``num_accepted`` is ``accept`` and then
+    that call."""
     H, HV, K, V, L, T = 1, 2, 64, 64, 8, 3
     pool, other = (_tokens_pool(gate, HV, K, V, L, T, seed=31) for _ in range(2))
     idx = torch.tensor([2, 1, 0, 4, 3], dtype=torch.int32, device=DEVICE)  # row 2 pads
@@ -435,13 +469,18 @@ def test_step_packed_tokens_is_step(gate, lower_bound, backend):
         b[2] = float("nan")
         out = torch.full((B, T, HV, V), float("nan"), device=DEVICE)
         ws = packed.packed_workspace(pool, B * T)
+        ws.g.fill_(float("nan"))
+        ws.beta.fill_(float("nan"))
         a_in = a.flatten(-2) if gate == "kda" and call else a  # KDA's flat [B, T, HV * K] form too
         o = leapquant.step_packed(pool, idx, mixed, a_in, b, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
                                   use_qk_l2norm=True, out=out, workspace=ws, backend=backend, check=True,
-                                  num_accepted=accepted)
+                                  num_accepted=accepted, fused=fused)
         assert o.data_ptr() == out.data_ptr() and o.shape == (B, T, HV, V)
-        a_rows = a.flatten(0, 1)
-        g, beta = packed.packed_gates(gate, a_rows, b.flatten(0, 1), A_log, dt_bias, lower_bound)
+        a_rows, b_rows = a.flatten(0, 1), b.flatten(0, 1)
+        if fused:
+            assert bool(ws.g.isnan().all()) and bool(ws.beta.isnan().all())
+            ws = _triton_gates(pool, a_rows, b_rows, A_log, dt_bias, lower_bound)  # the kernel's functions
+        g, beta = packed.packed_gates(gate, a_rows, b_rows, A_log, dt_bias, lower_bound)
         ulps = _g_ulps(a_rows, A_log, dt_bias, lower_bound) if backend == "triton" else 0
         assert bool((_spacings(ws.g, g)[real] <= (ulps[real] if isinstance(ulps, torch.Tensor) else ulps)).all())
         assert int(_spacings(ws.beta[real], beta[real]).max()) <= (GATE_ULPS if backend == "triton" else 0)
