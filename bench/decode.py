@@ -34,6 +34,8 @@ Cases, one table per gate:
   8, from the packed ``mixed_qkv`` with q and k l2-normalised in the kernel and the raw gate inputs (``a``, ``b``
   bf16), the gates computed in the step kernel, then (``fused=False``) apart in a launch of their own into a
   workspace; the floor reads ``a`` and ``b`` in bf16 in the places of the step's fp32 ``g`` and ``beta``;
+* ``packed verify T=4 (fill 8)``, ``packed verify T=4 (fill 8), gates apart``: the same for the verify's four tokens
+  a row (``mixed_qkv [B, T, D]``);
 * ``fla fp32`` / ``fla bf16``: FLA's ``fused_recurrent_kda_fwd`` with the state updated in place in a slot pool of
   that dtype (``inplace_final_state``, ``ssm_state_indices``, ``state_v_first``), what engines run today. FLA 0.6's
   ``fused_recurrent_gated_delta_rule`` has no in-place slot-pool mode, so GDN's anchor is the same KDA call fed GDN's
@@ -95,8 +97,10 @@ VERIFY = f"verify T={VERIFY_T} (fill 8)"
 # and a longer draft (no bound): the Gluon kernel takes it in two launches of four tokens (docs/DESIGN.md)
 VERIFY_LONG_T = 8
 VERIFY_LONG = f"verify T={VERIFY_LONG_T} (fill 8)"
-# step_packed at fill 8 (one launch, the gates in the step kernel; then the gates apart, in a launch of their own)
+# step_packed at fill 8 (one launch, the gates in the step kernel; then the gates apart, in a launch of their own),
+# one token a row and VERIFY_T
 PACKED_CASES = ("packed fill 8", "packed fill 8, gates apart")
+PACKED_VERIFY = (f"packed verify T={VERIFY_T} (fill 8)", f"packed verify T={VERIFY_T} (fill 8), gates apart")
 # the sweep's small batches as an engine steps them: L steps per sequence, each sequence's rings flushed once
 CYCLE = "decode cycle"
 BOUNDS = (("step fill 8", "floor", 1.5), ("decode layer", "step fill 8", 1.15), ("decode layer", "fla fp32", 0.3),
@@ -130,6 +134,13 @@ def packed_bytes(pool: leapquant.Pool, entries_read: int, key_heads: int) -> int
     in the places of ``g`` and ``beta`` (fp32); ``A_log`` and ``dt_bias``, one per head, are not counted."""
     gate = pool.head_k if pool.gate == "kda" else 1
     return step_bytes(pool, entries_read, key_heads, 2, 2) - 2 * (gate + 1)
+
+
+def packed_verify_bytes(pool: leapquant.Pool, entries_read: int, tokens: int, key_heads: int) -> int:
+    """:func:`verify_bytes` of a ``step_packed`` call of ``tokens`` tokens a row with bf16 tokens: each token's raw
+    gate inputs ``a`` and ``b`` (bf16) read in the places of its ``g`` and ``beta`` (fp32)."""
+    gate = pool.head_k if pool.gate == "kda" else 1
+    return verify_bytes(pool, entries_read, tokens, key_heads) - tokens * 2 * (gate + 1)
 
 
 def verify_bytes(pool: leapquant.Pool, entries_read: int, tokens: int, key_heads: int) -> int:
@@ -341,16 +352,19 @@ def leapquant_rows(timer: Timer, s: Setup, backend: str, fills=FILLS, compact: b
             for name, T in ((VERIFY, VERIFY_T), (VERIFY_LONG, VERIFY_LONG_T)):
                 rows.append(_attempt(name, lambda name=name, T=T, pool=pool, restorer=restorer: _verify(
                     timer, s, pool, backend, restorer, T, name), layout=layout))
-            for name, fused in zip(PACKED_CASES, (True, False)):
-                rows.append(_attempt(name, lambda name=name, fused=fused, pool=pool, restorer=restorer: _packed(
-                    timer, name, fused, s, pool, backend, restorer), layout=layout))
+            for names, T in ((PACKED_CASES, 1), (PACKED_VERIFY, VERIFY_T)):
+                for name, fused in zip(names, (True, False)):
+                    rows.append(_attempt(name, lambda name=name, fused=fused, pool=pool, restorer=restorer, T=T:
+                                         _packed(timer, name, fused, s, pool, backend, restorer, T),
+                                         layout=layout))
     return rows
 
 
-def _packed(timer, name: str, fused: bool, s, pool, backend: str, restorer) -> dict:
-    """:data:`PACKED_CASES`: ``leapquant.step_packed`` at fill 8 from vLLM's packed projection (``mixed_qkv``, q and k
-    l2-normalised in the kernel) and the raw gate inputs (``a``, ``b`` bf16; ``A_log``, ``dt_bias`` fp32), the gates
-    computed in the step kernel (``fused``) or apart, into a workspace, before it."""
+def _packed(timer, name: str, fused: bool, s, pool, backend: str, restorer, T: int = 1) -> dict:
+    """:data:`PACKED_CASES` (T = 1) and :data:`PACKED_VERIFY`: ``leapquant.step_packed`` at fill 8 from vLLM's packed
+    projection (``mixed_qkv``, q and k l2-normalised in the kernel) and the raw gate inputs (``a``, ``b`` bf16;
+    ``A_log``, ``dt_bias`` fp32), T tokens a row (the step's token, repeated, as the verify's), the gates computed in
+    the step kernel (``fused``) or apart, into a workspace, before it."""
     if not hasattr(leapquant, "step_packed") or (not fused and not _takes_fused()):
         raise Unsupported("this tree's step_packed computes its gates apart only")
     B, HV, H, K = s.idx.numel(), pool.heads, s.key_heads, pool.head_k
@@ -359,15 +373,20 @@ def _packed(timer, name: str, fused: bool, s, pool, backend: str, restorer) -> d
     kda = pool.gate == "kda"
     a = torch.randn(*((B, HV, K) if kda else (B, HV)), generator=gen).to(mixed.device, torch.bfloat16)
     b = torch.randn(B, HV, generator=gen).to(mixed.device, torch.bfloat16)
+    out = s.out
+    if T > 1:
+        mixed, a, b = (x[:, None].expand(x.shape[0], T, *x.shape[1:]).contiguous() for x in (mixed, a, b))
+        out = torch.empty(B, T, HV, pool.head_v, dtype=s.out.dtype, device=s.out.device)
     A_log = torch.full((HV,), math.log(0.05), device=mixed.device)
     dt_bias = torch.zeros(HV * K if kda else HV, device=mixed.device)
-    ws = leapquant.packed_workspace(pool, B)
+    ws = leapquant.packed_workspace(pool, B * T)
     kw = dict(fused=fused) if _takes_fused() else {}
     step = lambda: leapquant.step_packed(pool, s.idx, mixed, a, b, A_log=A_log, dt_bias=dt_bias,  # noqa: E731
-                                         use_qk_l2norm=True, out=s.out, workspace=ws, backend=backend, check=False,
+                                         use_qk_l2norm=True, out=out, workspace=ws, backend=backend, check=False,
                                          **kw)
-    return timer(name, step, restorer(torch.full((B, HV), 7)), B * HV * packed_bytes(pool, 7, H), fill=8,
-                 fused=fused, layout="engine", backend=leapquant.select(pool, backend, op="step").name)
+    nbytes = packed_bytes(pool, 7, H) if T == 1 else packed_verify_bytes(pool, 7, T, H)
+    return timer(name, step, restorer(torch.full((B, HV), 7)), B * HV * nbytes, fill=8, fused=fused, tokens=T,
+                 layout="engine", backend=leapquant.select(pool, backend, op="step").name)
 
 
 def _takes_fused() -> bool:
@@ -464,7 +483,7 @@ def _memory(gate: str, heads: int, head_dim: int, ring: int, rank: int) -> dict 
 
 
 def _planned(with_fla: bool) -> list[str]:
-    return ([f"step fill {f}" for f in FILLS] + ["decode layer", VERIFY, VERIFY_LONG, *PACKED_CASES]
+    return ([f"step fill {f}" for f in FILLS] + ["decode layer", VERIFY, VERIFY_LONG, *PACKED_CASES, *PACKED_VERIFY]
             + [f"step fill {f} (compact)" for f in COMPACT_FILLS]
             + ["decode layer (compact)"] + (list(FLA_CASES) if with_fla else []))
 

@@ -83,7 +83,8 @@ def test_host_overhead_smoke(tmp_path):
 
 
 DECODE_CASES = ["step fill 1", "step fill 8", "step fill 15", "decode layer", "verify T=4 (fill 8)",
-                "verify T=8 (fill 8)", "packed fill 8", "packed fill 8, gates apart", "step fill 8 (compact)", "decode layer (compact)"]
+                "verify T=8 (fill 8)", "packed fill 8", "packed fill 8, gates apart", "packed verify T=4 (fill 8)",
+                "packed verify T=4 (fill 8), gates apart", "step fill 8 (compact)", "decode layer (compact)"]
 BOUNDS_LINE = ("Bounds (issue 38): step fill 8 <= 1.5x its floor; decode layer <= 1.15x step fill 8, <= 0.3x fla fp32, "
                "<= 0.5x fla bf16; verify T=4 (fill 8) <= 1.6x step fill 8.")
 
@@ -123,6 +124,9 @@ def test_decode_bench_smoke(tmp_path):
         packed, apart = rows["packed fill 8"], rows["packed fill 8, gates apart"]
         assert packed["bytes"] == apart["bytes"] < rows["step fill 8"]["bytes"]
         assert packed["fused"] is True and apart["fused"] is False and packed["fill"] == 8
+        pv, pva = rows["packed verify T=4 (fill 8)"], rows["packed verify T=4 (fill 8), gates apart"]
+        assert pv["bytes"] == pva["bytes"] < rows["verify T=4 (fill 8)"]["bytes"]
+        assert pv["tokens"] == pva["tokens"] == 4 and pv["fused"] is True and pva["fused"] is False
         assert section["pool_slots"] == 5 and section["backend"] == {"engine": "reference", "compact": "reference"}
         m = section["memory_per_sequence"]
         assert m["fp32"] == 2 * m["bf16"] == 2 * 2 * 64 * 64 * 2 and m["leapquant_compact"] < m["leapquant_engine"]
