@@ -420,6 +420,7 @@ def leapquant_step_gluon_kernel(idx, q, k, v, g, beta, out, codes, skv, uq, kbuf
             if not IS_KDA:
                 ats = gl.allocate_shared_memory(gl.float32, [TP], flat1)
                 ats.store(at)
+            _barrier()  # every thread reads them; the store of a vector all threads hold may be left to some
 
     # the ring as the call found it, read once: its entries before j with their decays to the call (the products of
     # the gates after them; every token's own gate then multiplies in), the rank-R factors
