@@ -282,15 +282,14 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
     B = idx.numel()
     T = _packed_tokens(mixed_qkv, B)
     if T > 1:
-        mixed_qkv, a, a_rows, b_rows, A_log, dt_bias = _token_inputs(pool, B, T, mixed_qkv, a, b, A_log, dt_bias)
+        mixed_qkv, a, b, A_log, dt_bias = _token_inputs(pool, B, T, mixed_qkv, a, b, A_log, dt_bias)
     else:
         mixed_qkv, a, b, A_log, dt_bias = check_packed_inputs(pool, B, mixed_qkv, a, b, A_log, dt_bias)
-        a_rows, b_rows = a, b
     lower_bound = check_lower_bound(pool, lower_bound)
     H = packed_heads(pool, mixed_qkv.shape[-1])
     q, k, v = split_qkv(mixed_qkv, H, pool.head_k, pool.heads, pool.head_v)
-    workspace, chosen = _checks_and_backend(pool, idx, T, mixed_qkv, a, b, A_log, dt_bias, a_rows, b_rows, out,
-                                            workspace, backend, check)
+    workspace, chosen = _checks_and_backend(pool, idx, T, mixed_qkv, a, b, A_log, dt_bias, out, workspace, backend,
+                                            check)
     if chosen is not None:
         backend = chosen.name
     if num_accepted is not None:  # the previous call's acceptance first, as step applies it
@@ -303,20 +302,20 @@ def step_packed(pool: Pool, idx: torch.Tensor, mixed_qkv: torch.Tensor, a: torch
     g, beta = packed_workspace(pool, B * T) if workspace is None else workspace
     gates = getattr(chosen, "packed_gates", None) or _torch_gates
     if chosen is None:  # under torch.compile: the torch formulas, traced
-        gates(pool, a_rows, b_rows, A_log, dt_bias, lower_bound, g, beta)
+        gates(pool, _rows(a, T), _rows(b, T), A_log, dt_bias, lower_bound, g, beta)
     else:
-        launch(pool, gates, a_rows, b_rows, A_log, dt_bias, lower_bound, g, beta)
+        launch(pool, gates, _rows(a, T), _rows(b, T), A_log, dt_bias, lower_bound, g, beta)
     if T > 1:
         g, beta = g.unflatten(0, (B, T)), beta.unflatten(0, (B, T))
     return step(pool, idx, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out, backend=backend,
                 check=check)
 
 
-def _checks_and_backend(pool: Pool, idx, T: int, mixed_qkv, a, b, A_log, dt_bias, a_rows, b_rows, out, workspace,
-                        backend, check: bool) -> tuple:
+def _checks_and_backend(pool: Pool, idx, T: int, mixed_qkv, a, b, A_log, dt_bias, out, workspace, backend,
+                        check: bool) -> tuple:
     """What :func:`step_packed` checks after its inputs' metadata, for T tokens a row: the workspace (``B T`` rows)
-    apart from the pool and every input, the inputs inside their storage, with ``check`` the gate inputs' values
-    (``a_rows``, ``b_rows``: row ``n T + t`` row n's token t); then the backend. Returns ``(workspace, backend)``,
+    apart from the pool and every input, the inputs inside their storage, with ``check`` the gate inputs' values;
+    then the backend. Returns ``(workspace, backend)``,
     the backend None under ``torch.compile`` (which resolves it in the op), where addresses are not checked."""
     compiling = torch.compiler.is_compiling()
     named = {"mixed_qkv": mixed_qkv, "a": a, "b": b, "A_log": A_log, "dt_bias": dt_bias}
@@ -329,7 +328,8 @@ def _checks_and_backend(pool: Pool, idx, T: int, mixed_qkv, a, b, A_log, dt_bias
     for name, t in named.items():
         check_in_storage(t, name)
     if check:
-        _check_packed_values(pool, idx if T == 1 else idx.repeat_interleave(T), a_rows, b_rows, A_log, dt_bias)
+        _check_packed_values(pool, idx if T == 1 else idx.repeat_interleave(T), _rows(a, T), _rows(b, T), A_log,
+                             dt_bias)
     return workspace, resolve(backend, pool, "step")
 
 
@@ -344,9 +344,8 @@ def _packed_tokens(mixed_qkv, B: int) -> int:
 
 def _token_inputs(pool: Pool, B: int, T: int, mixed_qkv, a, b, A_log, dt_bias) -> tuple:
     """The metadata of a T-token packed call (T > 1): ``a`` and ``b`` ``[B, T, ...]``, and every token's inputs
-    checked as one token's (the first token's views carry the metadata all share). Returns ``(mixed_qkv, a, a_rows,
-    b_rows, A_log, dt_bias)``: ``a`` in its ``[B, T, ...]`` form (KDA's ``[B, T, HV, K]``, a view), ``a`` and ``b``
-    as ``B T`` gate rows, row ``n T + t`` row n's token t."""
+    checked as one token's (the first token's views carry the metadata all share). Returns ``(mixed_qkv, a, b, A_log,
+    dt_bias)``, ``a`` in its ``[B, T, ...]`` form (KDA's ``[B, T, HV, K]``, a view)."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -355,8 +354,14 @@ def _token_inputs(pool: Pool, B: int, T: int, mixed_qkv, a, b, A_log, dt_bias) -
                              f"{list(t.shape)}")
     _, a1, _, A_log, dt_bias = check_packed_inputs(pool, B, mixed_qkv[:, 0], a[:, 0], b[:, 0], A_log, dt_bias)
     a = a.unflatten(-1, tuple(a1.shape[-2:])) if a.dim() == 3 and a1.dim() == 3 else a  # KDA's flat form
-    rows = B * T
-    return mixed_qkv, a, a.reshape((rows,) + tuple(a1.shape[1:])), b.reshape(rows, pool.heads), A_log, dt_bias
+    return mixed_qkv, a, b, A_log, dt_bias
+
+
+def _rows(x: torch.Tensor, T: int) -> torch.Tensor:
+    """A gate input of a T-token call as ``B T`` gate rows, row ``n T + t`` row n's token t (one token: ``x``). Only
+    where the rows are read (the gates apart, the value checks): an engine's strided ``a`` or ``b`` cannot always be
+    viewed so, and the fused call reads them in place."""
+    return x if T == 1 else x.flatten(0, 1)
 
 
 def _step_packed_fused(pool: Pool, chosen, idx, T: int, q, k, v, a, b, A_log, dt_bias, lower_bound, beta_dtype,
