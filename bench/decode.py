@@ -24,6 +24,9 @@ Cases, one table per gate:
   full);
 * ``decode layer``: the steady state of a ring of L = 16: 1/16 of the heads' rings full (flushed inside the step),
   the others spread evenly over fills 1..15;
+* ``flush in layer``: ``leapquant.flush`` alone at the decode layer's fills (the flush inside its step), floor the
+  due rings' flush bytes; ``flush, none due``: the same call with no ring full (every ring holding 7 entries), the
+  flush's fixed part (its due list and the programs that find nothing), floor the fill counts read; engine layout;
 * ``verify T=4 (fill 8)``, ``verify T=8 (fill 8)``: a speculative decoding verify, T draft tokens per row in one
   ``leapquant.step`` call (SPEC §6.1), every ring holding 7 entries (no flush inside); engine layout only;
 * ``step fill 8 (compact)``, ``decode layer (compact)``: the same on a compact-layout pool (``layout="compact"``)
@@ -103,6 +106,10 @@ PACKED_CASES = ("packed fill 8", "packed fill 8, gates apart")
 PACKED_VERIFY = (f"packed verify T={VERIFY_T} (fill 8)", f"packed verify T={VERIFY_T} (fill 8), gates apart")
 # the sweep's small batches as an engine steps them: L steps per sequence, each sequence's rings flushed once
 CYCLE = "decode cycle"
+# where the decode layer's time goes: its flush alone (the layer's fills, 1/16 of the rings full), and a flush call
+# that finds nothing due (its fixed part: the due list and the programs that return at once); engine layout
+LAYER_FLUSH = "flush in layer"
+FLUSH_NONE = "flush, none due"
 BOUNDS = (("step fill 8", "floor", 1.5), ("decode layer", "step fill 8", 1.15), ("decode layer", "fla fp32", 0.3),
           ("decode layer", "fla bf16", 0.5), (VERIFY, "step fill 8", 1.6))
 BOUNDS_TEXT = ("step fill 8 <= 1.5x its floor; decode layer <= 1.15x step fill 8, <= 0.3x fla fp32, "
@@ -304,8 +311,9 @@ def _attempt(name: str, run, **extra) -> dict:
 
 def leapquant_rows(timer: Timer, s: Setup, backend: str, fills=FILLS, compact: bool = True,
                    verify: bool = True) -> list[dict]:
-    """``step fill f`` for each of ``fills`` and ``decode layer`` on the engine layout, then (``compact``)
-    ``step fill 8 (compact)`` and ``decode layer (compact)``."""
+    """``step fill f`` for each of ``fills`` and ``decode layer`` on the engine layout, then (``verify``) the layer's
+    flush alone, the verify and the packed calls, then (``compact``) ``step fill 8 (compact)`` and ``decode layer
+    (compact)``."""
     _, step_backend = _fill_and_name()
     rows, pools = [], {}
     # every pool made before anything is timed: the compact twin copies the bytes the engine pool was filled with
@@ -348,6 +356,15 @@ def leapquant_rows(timer: Timer, s: Setup, backend: str, fills=FILLS, compact: b
         rows.append(_attempt(names[-1], lambda name=names[-1], pool=pool, step=step: timer(
             name, step, restorer(s.layer_fills), layer_bytes(pool, s.layer_fills, H), due=due, layout=layout,
             backend=chosen), layout=layout))
+        if layout == "engine" and verify:
+            flush = lambda p=pool: leapquant.flush(p, s.idx, backend=backend, check=False)  # noqa: E731
+            rows.append(_attempt(LAYER_FLUSH, lambda pool=pool, flush=flush: timer(
+                LAYER_FLUSH, flush, restorer(s.layer_fills), due * program_bytes(pool)["total"], due=due,
+                layout=layout, backend=leapquant.select(pool, backend).name), layout=layout))
+            # nothing due: the floor is the fill counts read
+            rows.append(_attempt(FLUSH_NONE, lambda pool=pool, flush=flush: timer(
+                FLUSH_NONE, flush, restorer(torch.full((B, HV), 7)), B * HV * 4, due=0, layout=layout,
+                backend=leapquant.select(pool, backend).name), layout=layout))
         if layout == "engine" and verify:
             for name, T in ((VERIFY, VERIFY_T), (VERIFY_LONG, VERIFY_LONG_T)):
                 rows.append(_attempt(name, lambda name=name, T=T, pool=pool, restorer=restorer: _verify(
@@ -483,7 +500,7 @@ def _memory(gate: str, heads: int, head_dim: int, ring: int, rank: int) -> dict 
 
 
 def _planned(with_fla: bool) -> list[str]:
-    return ([f"step fill {f}" for f in FILLS] + ["decode layer", VERIFY, VERIFY_LONG, *PACKED_CASES, *PACKED_VERIFY]
+    return ([f"step fill {f}" for f in FILLS] + ["decode layer", LAYER_FLUSH, FLUSH_NONE, VERIFY, VERIFY_LONG, *PACKED_CASES, *PACKED_VERIFY]
             + [f"step fill {f} (compact)" for f in COMPACT_FILLS]
             + ["decode layer (compact)"] + (list(FLA_CASES) if with_fla else []))
 
@@ -633,6 +650,18 @@ def bound_lines(section: dict) -> list[str]:
     return lines
 
 
+def layer_split(t: dict) -> str | None:
+    """Where the decode layer's time goes, from the medians ``t`` by case (engine layout): the step, the layer's
+    flush alone and what is left; None where a case is missing."""
+    need = ("decode layer", "step fill 8", LAYER_FLUSH, FLUSH_NONE)
+    if not all(n in t for n in need):
+        return None
+    layer, step, flush, none = (t[n] for n in need)
+    return (f"Where the decode layer's time goes: step fill 8 {step:.1f} us + {LAYER_FLUSH} {flush:.1f} us = "
+            f"{step + flush:.1f} us against the layer's {layer:.1f} us ({layer - step - flush:+.1f} us); of the "
+            f"flush, {none:.1f} us is the call's fixed part ({FLUSH_NONE}).")
+
+
 def _gate_markdown(doc: dict, gate: str, section: dict) -> list[str]:
     be = ", ".join(f"{name} ({layout})" for layout, name in section["backend"].items()) or "none timed"
     lines = [f"## {gate.upper()}", "",
@@ -651,6 +680,9 @@ def _gate_markdown(doc: dict, gate: str, section: dict) -> list[str]:
     if against:
         lines += ["", f"Against the baseline ({doc['baseline']}), same run: " + "; ".join(against) + "."]
     lines += [""] + bound_lines(section)
+    split = layer_split(t)
+    if split:
+        lines += ["", split]
     m = section.get("memory_per_sequence")
     if m:
         lines += ["", "Bytes per sequence: " + ", ".join(f"{k.replace('_', ' ')} {val:,}" for k, val in m.items())

@@ -82,7 +82,8 @@ def test_host_overhead_smoke(tmp_path):
     assert "| reference |" in md and "| nonesuch | unknown backend |" in md and "| n/a |" in md
 
 
-DECODE_CASES = ["step fill 1", "step fill 8", "step fill 15", "decode layer", "verify T=4 (fill 8)",
+DECODE_CASES = ["step fill 1", "step fill 8", "step fill 15", "decode layer", "flush in layer", "flush, none due",
+                "verify T=4 (fill 8)",
                 "verify T=8 (fill 8)", "packed fill 8", "packed fill 8, gates apart", "packed verify T=4 (fill 8)",
                 "packed verify T=4 (fill 8), gates apart", "step fill 8 (compact)", "decode layer (compact)"]
 BOUNDS_LINE = ("Bounds (issue 38): step fill 8 <= 1.5x its floor; decode layer <= 1.15x step fill 8, <= 0.3x fla fp32, "
@@ -118,6 +119,11 @@ def test_decode_bench_smoke(tmp_path):
         assert rows["step fill 8 (compact)"]["bytes"] == rows["step fill 8"]["bytes"]
         assert rows["decode layer (compact)"]["bytes"] == rows["decode layer"]["bytes"]
         assert rows["decode layer"]["due"] == rows["decode layer (compact)"]["due"] >= 1
+        # the layer's flush alone: its due rings' flush bytes; with nothing due, the fill counts read
+        assert rows["flush in layer"]["due"] == rows["decode layer"]["due"]
+        assert rows["flush in layer"]["bytes"] == rows["decode layer"]["due"] * program_bytes(
+            decode.make_pool(5, 2, 64, gate, "engine", torch.device("cpu")))["total"]
+        assert rows["flush, none due"]["bytes"] == 2 * 2 * 4 and rows["flush, none due"]["due"] == 0
         # a verify of 4 tokens moves more than one token's step, less than four
         assert rows["step fill 8"]["bytes"] < rows["verify T=4 (fill 8)"]["bytes"] < 4 * rows["step fill 8"]["bytes"]
         # the packed call reads bf16 gate inputs where the step reads fp32 gates: fewer bytes, the same either way
@@ -146,6 +152,10 @@ def test_decode_bench_smoke(tmp_path):
         for name in DECODE_CASES:
             assert f"| {name} | {rows[name]['median_us']:.1f} us |" in text
         assert BOUNDS_LINE in text
+        lay_t, st_t, fl_t, no_t = (rows[n]["median_us"] for n in ("decode layer", "step fill 8", "flush in layer",
+                                                                  "flush, none due"))
+        assert (f"step fill 8 {st_t:.1f} us + flush in layer {fl_t:.1f} us = {st_t + fl_t:.1f} us against the "
+                f"layer's {lay_t:.1f} us ({lay_t - st_t - fl_t:+.1f} us); of the flush, {no_t:.1f} us") in text
         mark = "met" if lay["met"] else "missed"
         assert f"decode layer / step fill 8 = {lay['ratio']:.2f}x (bound 1.15x: {mark})" in text
         assert "decode layer / fla fp32: not measured, fla fp32 not timed (bound 0.3x)" in text
