@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -354,3 +355,43 @@ def test_decode_bench_baseline_runs_the_other_tree(tmp_path):
         assert "Against the baseline" in _section(md, f"## {gate.upper()}")
     # this tree's sweep only (below the ring's 16 sequences, each batch's decode cycle beside its layer)
     assert [r["case"] for r in doc["sweep"]["gates"]["kda"]] == ["decode layer", decode.CYCLE] * 3
+
+
+def test_schedule_case_state_has_exactly_its_due_heads():
+    """``bench.schedule``'s cases: distinct real slots, exactly round(f N HV) heads full, the others partly filled."""
+    from bench import schedule
+
+    pool = leapquant.Pool(9, 4, 64, 64, ring=8)
+    for batch, fraction, due in ((4, Fraction(1, 8), 2), (3, Fraction(1), 12), (1, Fraction(1, 8), 1)):
+        idx, fills, n_due = schedule.case_state(pool, batch, fraction, seed=batch)
+        slots = idx.tolist()
+        assert len(set(slots)) == batch and all(1 <= s < pool.num_slots for s in slots)
+        assert n_due == due and int((fills == 8).sum()) == due
+        assert bool(((fills >= 1) & (fills <= 8)).all())
+
+
+@pytest.mark.slow
+def test_schedule_bench_smoke(tmp_path):
+    """``python -m bench.schedule --cpu-smoke`` through the interpreter: both schedules of every case timed beside
+    the floor counted by hand, the same bytes from both, the markdown's rows."""
+    from bench import schedule
+
+    assert schedule.main(["--cpu-smoke", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "schedule_cpu.json").read_text())
+    md = (tmp_path / "schedule_cpu.md").read_text()
+    rows = doc["rows"]
+    assert [(r["ring"], r["iters"], r["fraction"], r["schedule"]) for r in rows] == [
+        (ring, it, f, s) for ring, it in ((8, 1), (32, 2)) for f in ("1/L", "1") for s in ("list", "grid")]
+    for r in rows:
+        assert r["status"] == "ok", r
+        HV, K, V, L, R = 2, 64, 64, r["ring"], 4
+        assert r["due"] == (4 if r["fraction"] == "1" else 1) and r["programs"] == 4 and r["picked"] == "grid"
+        # checkpoint (codes, scales, factors) read and written, the ring's rows read and w, pcum, gbuf reset
+        checkpoint = V * K + 4 * (K + V) + 2 * R * (K + V)
+        ring = L * (2 * K + 2 * V + 4 + 2 * K) + 4 * K
+        resets = L * 4 + 4 * K + L * 2 * K
+        scan = 2 * (HV * 4 + 4)
+        assert r["bytes"] == r["due"] * (2 * checkpoint + ring + resets) + scan, r
+        assert r["same_bytes"] is True
+    for r in rows[::2]:
+        assert f"| {r['ring']} | {r['iters']} | 2 | {r['due']} |" in md

@@ -48,6 +48,7 @@ def _first_paragraph(doc: str) -> str:
     ("bench.states", "main", "python -m bench.states"),
     ("bench.host_overhead", "main", "python -m bench.host_overhead"),
     ("bench.engine", "main", "python -m bench.engine"),
+    ("bench.schedule", "main", "python -m bench.schedule"),
 ])
 def test_help_names_the_command_and_keeps_the_description_whole(module, entry, prog, capsys):
     """``--help`` shows how the command is run (``python -m ...``, not a file name) and the module's description
