@@ -3,7 +3,7 @@
 :func:`leapquant_triton.flush.schedule_for` (which knows ``N`` x heads only, not the ring).
 
     python -m bench.schedule               # on a GPU: KDA, 32 heads of 128 x 128, rank 4; rings 8, 16, 32 at one
-                                           # iteration and ring 32 at two; about 3 minutes on an H100
+                                           # iteration and ring 32 at two (eight builds to compile, 32 timings)
     python -m bench.schedule --cpu-smoke   # the same path on the CPU through Triton's interpreter: tiny sizes
 
 Writes ``<out>/schedule_<device>.json`` and ``.md``. Per geometry (ring, iterations) one compact pool of 2 x 256 + 1
