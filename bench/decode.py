@@ -365,7 +365,6 @@ def leapquant_rows(timer: Timer, s: Setup, backend: str, fills=FILLS, compact: b
             rows.append(_attempt(FLUSH_NONE, lambda pool=pool, flush=flush: timer(
                 FLUSH_NONE, flush, restorer(torch.full((B, HV), 7)), B * HV * 4, due=0, layout=layout,
                 backend=leapquant.select(pool, backend).name), layout=layout))
-        if layout == "engine" and verify:
             for name, T in ((VERIFY, VERIFY_T), (VERIFY_LONG, VERIFY_LONG_T)):
                 rows.append(_attempt(name, lambda name=name, T=T, pool=pool, restorer=restorer: _verify(
                     timer, s, pool, backend, restorer, T, name), layout=layout))
@@ -500,7 +499,8 @@ def _memory(gate: str, heads: int, head_dim: int, ring: int, rank: int) -> dict 
 
 
 def _planned(with_fla: bool) -> list[str]:
-    return ([f"step fill {f}" for f in FILLS] + ["decode layer", LAYER_FLUSH, FLUSH_NONE, VERIFY, VERIFY_LONG, *PACKED_CASES, *PACKED_VERIFY]
+    return ([f"step fill {f}" for f in FILLS] + ["decode layer", LAYER_FLUSH, FLUSH_NONE, VERIFY, VERIFY_LONG,
+                                                 *PACKED_CASES, *PACKED_VERIFY]
             + [f"step fill {f} (compact)" for f in COMPACT_FILLS]
             + ["decode layer (compact)"] + (list(FLA_CASES) if with_fla else []))
 
@@ -658,8 +658,8 @@ def layer_split(t: dict) -> str | None:
         return None
     layer, step, flush, none = (t[n] for n in need)
     return (f"Where the decode layer's time goes: step fill 8 {step:.1f} us + {LAYER_FLUSH} {flush:.1f} us = "
-            f"{step + flush:.1f} us against the layer's {layer:.1f} us ({layer - step - flush:+.1f} us); of the "
-            f"flush, {none:.1f} us is the call's fixed part ({FLUSH_NONE}).")
+            f"{step + flush:.1f} us against the layer's {layer:.1f} us ({layer - step - flush:+.1f} us); a flush "
+            f"call with nothing due takes {none:.1f} us ({FLUSH_NONE}: its fixed part).")
 
 
 def _gate_markdown(doc: dict, gate: str, section: dict) -> list[str]:
