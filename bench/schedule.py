@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -191,6 +192,10 @@ def main(argv=None) -> int:
     if not cpu and not torch.cuda.is_available():
         print("error: no CUDA device here; `TRITON_INTERPRET=1 python -m bench.schedule --cpu-smoke` runs the path "
               "on the CPU", file=sys.stderr)
+        return 2
+    if cpu and os.environ.get("TRITON_INTERPRET") != "1":
+        print("error: --cpu-smoke runs the Triton flush through its interpreter: `TRITON_INTERPRET=1 python -m "
+              "bench.schedule --cpu-smoke`", file=sys.stderr)
         return 2
     device = torch.device("cpu" if cpu else "cuda")
     slug = "cpu" if cpu else device_slug(torch.cuda.get_device_name(device))

@@ -372,6 +372,16 @@ def test_schedule_case_state_has_exactly_its_due_heads():
         assert bool(((fills >= 1) & (fills <= 8)).all())
 
 
+def test_schedule_bench_cpu_smoke_needs_the_interpreter(tmp_path, monkeypatch, capsys):
+    """Without ``TRITON_INTERPRET=1`` the CPU smoke run says how to run it and writes nothing."""
+    from bench import schedule
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert schedule.main(["--cpu-smoke", "--out", str(tmp_path / "out")]) == 2
+    assert "TRITON_INTERPRET=1 python -m bench.schedule --cpu-smoke" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_schedule_bench_smoke(tmp_path):
     """``python -m bench.schedule --cpu-smoke`` through the interpreter: both schedules of every case timed beside
