@@ -103,14 +103,21 @@ def geometry_rows(timer: Timer, pool, cases, seed: int = 0) -> list[dict]:
                 row = {"case": label, **base, "schedule": sched, "status": "error",
                        "reason": f"{type(e).__name__}: {e}"[:300]}
             rows.append(row)
-            pool.raw.copy_(raw0)
-            restore()
-            flush()
-            written[sched] = pool.raw.view(torch.int32).clone()  # as integers: code bytes read as fp32 may be NaN
-            pool.raw.copy_(raw0)
-        same = bool(torch.equal(written["list"], written["grid"]))
+            try:  # one flush of the same state, its bytes kept as integers (code bytes read as fp32 may be NaN)
+                pool.raw.copy_(raw0)
+                restore()
+                flush()
+                written[sched] = pool.raw.view(torch.int32).clone()
+            except Exception:
+                written[sched] = None
+            finally:
+                pool.raw.copy_(raw0)
+        ok = all(x is not None for x in written.values())
+        same = bool(torch.equal(written["list"], written["grid"])) if ok else None
+        # the comparison means something only if the flush wrote the checkpoints
+        changed = not torch.equal(written["list"], raw0.view(torch.int32)) if ok else None
         for r in rows[-len(SCHEDULES):]:
-            r["same_bytes"] = same
+            r["same_bytes"], r["flushed"] = same, changed
     return rows
 
 
@@ -167,11 +174,17 @@ def markdown(doc: dict) -> str:
         faster = ("list" if lst["median_us"] < grd["median_us"] else "grid") if ok else "—"
         floor = f"{first['floor_us']:.1f} us" if "floor_us" in first else "—"
         lines.append(f"| {ring} | {iters} | {batch} | {first['due']} | {floor} | {t(lst)} | {t(grd)} | {ratio} | "
-                     f"{first['picked']} | {faster} | {'yes' if first.get('same_bytes') else 'no'} |")
+                     f"{first['picked']} | {faster} | {_same_text(first)} |")
     errors = [f"{r['case']}: {r['reason']}" for r in doc["rows"] if r.get("status") not in (None, "ok")]
     if errors:
         lines += ["", "Not timed: " + "; ".join(errors[:4])]
     return "\n".join(lines) + "\n"
+
+
+def _same_text(row: dict) -> str:
+    if row.get("same_bytes") is None:
+        return "not compared"
+    return ("yes" if row["same_bytes"] else "no") + ("" if row.get("flushed") else " (nothing flushed)")
 
 
 def _write(doc: dict, out: Path, slug: str) -> None:

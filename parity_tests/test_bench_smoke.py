@@ -404,6 +404,7 @@ def test_schedule_bench_smoke(tmp_path):
         resets = L * 4 + 4 * K + L * 2 * K
         scan = 2 * (HV * 4 + 4)
         assert r["bytes"] == r["due"] * (2 * checkpoint + ring + resets) + scan, r
-        assert r["same_bytes"] is True
+        assert r["same_bytes"] is True and r["flushed"] is True
     for r in rows[::2]:
         assert f"| {r['ring']} | {r['iters']} | 2 | {r['due']} |" in md
+    assert md.count("| grid | yes |") + md.count("| list | yes |") == len(rows) // 2
