@@ -12,6 +12,8 @@ the PTX), none at all for the engine calls' small kernels (``accept``, ``gates``
 (``grid``, ``list``; the forced flush's ``grid-force``) and the states builds (``load``, ``states``; ``-kv``: FLA's
 ``[K, V]`` state layout) are claimed on :data:`.targets.SUPPORTED_CAPABILITIES`, the step's (``step``) and the engine calls' on
 :data:`.targets.STEP_CAPABILITIES`, sm_75 included; targets not claimed are compiled and reported but cannot fail.
+Each line also gives the build's static SASS instruction count (``sass``: :func:`sass_count`), the proxy the design
+notes use for an issue-bound kernel's time; it is reported, not checked.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ class Report:
     mma: str = ""  # the tensor-core instructions of the PTX (mma_family)
     claim: bool = True  # False: a build the backend does not launch here (the Gluon step off its shapes or releases)
     prefetches: int = 0  # bulk L2 prefetches in the PTX (the list build on sm_90 and later: flush.prefetch_ahead)
+    sass: int = -1  # static SASS instructions of the cubin, NOPs aside (sass_count; -1: not counted)
 
     def line(self) -> str:
         if self.error:
@@ -139,7 +142,7 @@ class Report:
         return (f"sm_{self.arch:<4} {str(self.shape):<26} {self.kernel:<10} {flag}  warps {self.num_warps:2d}  "
                 f"regs {self.regs:3d}/{MAX_REGS}  spill {self.spill_bytes:4d} B  "
                 f"smem {self.smem / 1024:6.1f}/{SMEM_LIMIT[self.arch] >> 10} KiB  {self.mma:<8}  "
-                f"({self.seconds:.1f} s)")
+                f"sass {self.sass if self.sass >= 0 else '?':>5}  ({self.seconds:.1f} s)")
 
 
 def mma_family(ptx: str) -> str:
@@ -176,6 +179,23 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int, int]:
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log))
     m = re.search(r"(\d+) bytes smem", log)
     return regs, spills, int(m.group(1)) if m else 0
+
+
+# an instruction line of cuobjdump -sass: its address, an optional predicate, the opcode
+_SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]\s+)?([A-Z][A-Z0-9_.]*)")
+
+
+def sass_count(cubin: bytes, arch: int) -> int:
+    """Static SASS instructions of a cubin, the padding NOPs aside, by the ``cuobjdump`` beside Triton's ptxas: a
+    proxy for what an issue-bound kernel's time follows (docs/DESIGN.md counts the flush and the step so), not a
+    count of what runs (loops count once)."""
+    cuobjdump = os.path.join(os.path.dirname(_ptxas(arch)), "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        out = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+    return sum(1 for m in _SASS_LINE.finditer(out) if m.group(1) != "NOP")
 
 
 def _geometry(shape: Shape) -> Geometry:
@@ -359,6 +379,10 @@ def _build(fn, signature: dict, constexprs: dict, pointers: dict, arch: int, opt
     rep.regs, rep.spill_bytes, rep.smem = regs, spills, ck.metadata.shared + static_smem
     rep.mma = mma_family(ck.asm["ptx"])
     rep.prefetches = ck.asm["ptx"].count("cp.async.bulk.prefetch.L2")
+    try:
+        rep.sass = sass_count(ck.asm["cubin"], arch)
+    except (OSError, subprocess.CalledProcessError):  # informational: a release without cuobjdump still checks
+        rep.sass = -1
     rep.seconds = time.time() - t0
     rep.ok = regs <= MAX_REGS and spills <= MAX_SPILL_BYTES and rep.smem <= SMEM_LIMIT[arch]
     return rep
