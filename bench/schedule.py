@@ -8,7 +8,8 @@
 
 Writes ``<out>/schedule_<device>.json`` and ``.md``. Per geometry (ring, iterations) one compact pool of 2 x 256 + 1
 slots filled with the Gaussian regime; per case (batch rows N at random distinct slots, a due fraction f) exactly
-round(f N HV) of the rows' heads full (at random), the others holding 1 .. L - 1 entries. ``f = 1/L`` is a decode
+round(f N HV) of the rows' heads full (at random), the others holding fewer than L entries (:mod:`bench.flush`'s
+cases, with f = 1/L read per ring). ``f = 1/L`` is a decode
 layer's steady state (:mod:`bench.decode`'s ``decode layer`` at L = 16), ``f = 1`` every ring full at once. Each
 schedule's ``leapquant_triton.flush.flush_pool`` is captured in a CUDA graph and replayed (the rings and fill counts
 restored before each replay, L2 evicted: :func:`bench.timing.time_replays`); medians beside the floor of
@@ -33,7 +34,7 @@ import torch
 import leapquant
 
 from .decode import Timer
-from .flush import floor_bytes, program_bytes
+from .flush import Case, _set_due, floor_bytes, program_bytes
 from .timing import copy_bandwidth, device_info, device_slug, module_version, nvidia_smi
 
 # (ring, subspace iterations): every ring the pool takes, and the build the AOT check flags (ring 32, two iterations)
@@ -57,21 +58,6 @@ def make_pool(ring: int, iters: int, heads: int, head_dim: int, max_batch: int, 
     return pool
 
 
-def case_state(pool, batch: int, fraction: Fraction, seed: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(idx int32 on the pool's device, the rows' fill counts ``[batch, HV]``, how many are due): ``batch`` distinct
-    random real slots, exactly ``round(fraction batch HV)`` (at least one) of their heads full (L), the others at
-    random counts in 1 .. L - 1."""
-    gen = torch.Generator().manual_seed(seed)
-    HV, L = pool.heads, pool.ring
-    slots = torch.randperm(pool.num_slots - 1, generator=gen)[:batch] + 1
-    due = max(1, int(fraction * batch * HV + Fraction(1, 2)))
-    full = torch.zeros(batch * HV, dtype=torch.bool)
-    full[torch.randperm(batch * HV, generator=gen)[:due]] = True
-    part = torch.randint(1, L, (batch * HV,), generator=gen)
-    fills = torch.where(full, torch.full_like(part, L), part).reshape(batch, HV)
-    return slots.to(torch.int32).to(pool.device), fills, due
-
-
 def geometry_rows(timer: Timer, pool, cases, seed: int = 0) -> list[dict]:
     """Both schedules' rows for every case on ``pool``."""
     from leapquant_triton.flush import flush_pool, schedule_for
@@ -81,14 +67,16 @@ def geometry_rows(timer: Timer, pool, cases, seed: int = 0) -> list[dict]:
     raw0 = pool.raw.clone()
     pb = program_bytes(pool)
     rows = []
-    for i, (batch, ftext) in enumerate(cases):
-        idx, fills, due = case_state(pool, batch, _fraction(ftext, pool.ring), seed + 7919 * i + pool.ring)
-        at, fills_dev = idx.long(), fills.to(pool.device, torch.int32)
+    for batch, ftext in cases:
+        # the flush benchmark's case: batch distinct random slots, exactly due_count() heads full, the rest below L
+        case = Case(pool.heads, batch, str(_fraction(ftext, pool.ring)))
+        idx = _set_due(pool, case, seed + pool.ring + pool.iters)
+        due, hcnt0 = case.due_count(), pool.hcnt.clone()
 
         def restore():
             for n, t in saved.items():
                 getattr(pool, n).copy_(t)
-            pool.hcnt[at] = fills_dev
+            pool.hcnt.copy_(hcnt0)
 
         base = {"ring": pool.ring, "iters": pool.iters, "batch": batch, "fraction": ftext, "due": due,
                 "programs": batch * pool.heads, "picked": schedule_for(batch, pool.heads)}

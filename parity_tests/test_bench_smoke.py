@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -359,17 +358,20 @@ def test_decode_bench_baseline_runs_the_other_tree(tmp_path):
     assert [r["case"] for r in doc["sweep"]["gates"]["kda"]] == ["decode layer", decode.CYCLE] * 3
 
 
-def test_schedule_case_state_has_exactly_its_due_heads():
-    """``bench.schedule``'s cases: distinct real slots, exactly round(f N HV) heads full, the others partly filled."""
-    from bench import schedule
+def test_schedule_cases_have_exactly_their_due_heads():
+    """``bench.schedule``'s cases (``bench.flush``'s, f = 1/L per ring): distinct real slots, exactly round(f N HV)
+    heads full, the others partly filled."""
+    from bench.flush import Case, _set_due
 
     pool = leapquant.Pool(9, 4, 64, 64, ring=8)
-    for batch, fraction, due in ((4, Fraction(1, 8), 2), (3, Fraction(1), 12), (1, Fraction(1, 8), 1)):
-        idx, fills, n_due = schedule.case_state(pool, batch, fraction, seed=batch)
+    for batch, fraction, due in ((4, "1/8", 2), (3, "1", 12), (1, "1/8", 1)):
+        case = Case(pool.heads, batch, fraction)
+        idx = _set_due(pool, case, seed=batch)
         slots = idx.tolist()
         assert len(set(slots)) == batch and all(1 <= s < pool.num_slots for s in slots)
-        assert n_due == due and int((fills == 8).sum()) == due
-        assert bool(((fills >= 1) & (fills <= 8)).all())
+        fills = pool.hcnt[idx.long()]
+        assert case.due_count() == due and int((fills == 8).sum()) == due
+        assert bool(((fills >= 0) & (fills <= 8)).all())
 
 
 def test_schedule_bench_cpu_smoke_needs_the_interpreter(tmp_path, monkeypatch, capsys):
